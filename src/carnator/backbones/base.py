@@ -1,0 +1,251 @@
+"""The adapter protocol: all model knowledge lives behind :class:`BackboneAdapter`.
+
+An adapter wraps a diffusers pipeline object and exposes the pieces the one denoising loop in
+:mod:`carnator.denoise` needs. It reuses the pipeline's own helpers (``encode_prompt``,
+``prepare_latents``, the scheduler, the VAE and video processor), so that a dense run through the
+loop equals ``pipe(...)`` exactly.
+
+Adding a family: subclass :class:`BackboneAdapter`, set ``pipeline_classes`` and decorate the class
+with :func:`register_adapter`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..errors import InvalidRequestError, ModelLoadError
+from ..request import Request
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Settings used when a request leaves them out (the pipeline's own ``__call__`` defaults)."""
+
+    num_inference_steps: int
+    num_frames: int
+    height: int
+    width: int
+    guidance_scale: float
+    negative_prompt: str | None = None
+
+
+@dataclass
+class Conditioning:
+    """Encoded prompt for one request; ``data`` is opaque to everything but the adapter that made it."""
+
+    data: dict[str, Any]
+    do_cfg: bool
+
+
+_REGISTRY: dict[str, type["BackboneAdapter"]] = {}
+
+
+def register_adapter(cls: type["BackboneAdapter"]) -> type["BackboneAdapter"]:
+    for name in cls.pipeline_classes:
+        _REGISTRY[name] = cls
+    return cls
+
+
+def adapter_for(pipe) -> "BackboneAdapter":
+    """Pick the adapter registered for ``type(pipe)`` (or one of its base classes)."""
+    from . import cogvideox, embedded, hunyuan, ltx, wan  # noqa: F401  (registration side effects)
+
+    for klass in type(pipe).__mro__:
+        if klass.__name__ in _REGISTRY:
+            return _REGISTRY[klass.__name__](pipe)
+    supported = ", ".join(sorted(_REGISTRY))
+    raise ModelLoadError(f"unsupported pipeline class {type(pipe).__name__}; supported: {supported}")
+
+
+def supported_pipelines() -> list[str]:
+    from . import cogvideox, embedded, hunyuan, ltx, wan  # noqa: F401
+
+    return sorted(_REGISTRY)
+
+
+class BackboneAdapter(ABC):
+    """One model family over a diffusers pipeline.
+
+    The denoising loop calls, in order: :meth:`resolve` (fill and check a request), :meth:`encode`,
+    :meth:`prepare_latents`, :meth:`timesteps`, then per step :meth:`predict` and :meth:`step`, and
+    finally :meth:`decode`. Latents passed between these are in the pipeline's own layout (the
+    layout its scheduler steps on).
+    """
+
+    family: ClassVar[str] = "base"
+    pipeline_classes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    # ---- identity and settings -------------------------------------------------------------
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe._execution_device
+
+    def model_identity(self) -> str:
+        """A stable id of the model: pipeline class, component configs and a weight fingerprint.
+
+        Two pipelines with the same id produce the same trajectory for the same request, so cache
+        entries are never shared across ids.
+        """
+        h = hashlib.sha256()
+        h.update(type(self.pipe).__name__.encode())
+        for name in ("transformer", "vae", "text_encoder", "scheduler"):
+            comp = getattr(self.pipe, name, None)
+            cfg = getattr(comp, "config", None)
+            if cfg is not None:
+                h.update(json.dumps(dict(cfg), sort_keys=True, default=str).encode())
+        # Fingerprint a few weights so two random inits of one config never collide.
+        with torch.no_grad():
+            for i, p in enumerate(self.transformer.parameters()):
+                if i % 7 == 0:
+                    flat = p.detach().reshape(-1)[:64].float().cpu().numpy()
+                    h.update(np.ascontiguousarray(flat).tobytes())
+        return f"{self.family}-{h.hexdigest()[:16]}"
+
+    def scheduler_name(self) -> str:
+        return type(self.pipe.scheduler).__name__
+
+    @abstractmethod
+    def defaults(self) -> GenerationDefaults: ...
+
+    def resolve(
+        self,
+        prompt: str,
+        *,
+        seed: int,
+        negative_prompt: str | None = None,
+        num_inference_steps: int | None = None,
+        num_frames: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        guidance_scale: float | None = None,
+        tenant: str = "default",
+    ) -> Request:
+        """Fill unset settings from :meth:`defaults` and check everything; raises InvalidRequestError."""
+        d = self.defaults()
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidRequestError("the prompt is empty")
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+            raise InvalidRequestError(f"seed must be an integer, got {seed!r}")
+        if not isinstance(tenant, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", tenant):
+            raise InvalidRequestError("tenant must be 1-64 characters of letters, digits, '.', '_' or '-'")
+        steps = d.num_inference_steps if num_inference_steps is None else num_inference_steps
+        frames = d.num_frames if num_frames is None else num_frames
+        h = d.height if height is None else height
+        w = d.width if width is None else width
+        g = d.guidance_scale if guidance_scale is None else guidance_scale
+        for name, v in (("num_inference_steps", steps), ("num_frames", frames), ("height", h), ("width", w)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(g, (int, float)) or not np.isfinite(g) or g < 0:
+            raise InvalidRequestError(f"guidance_scale must be a finite number >= 0, got {g!r}")
+        neg = d.negative_prompt if negative_prompt is None else negative_prompt
+        req = Request(
+            prompt=prompt,
+            seed=int(seed),
+            num_inference_steps=int(steps),
+            num_frames=int(frames),
+            height=int(h),
+            width=int(w),
+            guidance_scale=float(g),
+            negative_prompt=neg,
+            tenant=tenant,
+        )
+        self.check_geometry(req)
+        return req
+
+    @abstractmethod
+    def check_geometry(self, req: Request) -> None:
+        """Raise InvalidRequestError if the model cannot take this frame count or size."""
+
+    # ---- the pieces of the loop -----------------------------------------------------------
+    def make_generator(self, req: Request) -> torch.Generator:
+        """The request's random generator (on the CPU, so a seed gives the same noise on any device)."""
+        return torch.Generator(device="cpu").manual_seed(req.seed)
+
+    @abstractmethod
+    def encode(self, req: Request) -> Conditioning: ...
+
+    @abstractmethod
+    def prepare_latents(self, req: Request, generator: torch.Generator) -> torch.Tensor: ...
+
+    @abstractmethod
+    def timesteps(self, req: Request) -> torch.Tensor:
+        """Reset the scheduler for this request and return its timesteps (one per step)."""
+
+    @abstractmethod
+    def predict(self, latents: torch.Tensor, t: torch.Tensor, step: int, cond: Conditioning, req: Request) -> torch.Tensor:
+        """One guided prediction (every CFG branch) for the scheduler."""
+
+    def step(self, noise_pred: torch.Tensor, t: torch.Tensor, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """One scheduler step; returns the post-scheduler latent."""
+        return self.pipe.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+
+    def seek(self, step: int) -> None:
+        """Position the scheduler at ``step`` (after :meth:`timesteps`) with an empty multistep history.
+
+        Used to resume from a cached latent: the next :meth:`step` call advances from ``step``, and
+        multistep solvers (UniPC, DPM-Solver) restart at first order, as they do at step 0.
+        """
+        s = self.pipe.scheduler
+        if hasattr(s, "_step_index"):
+            s._step_index = int(step)
+        if hasattr(s, "model_outputs"):
+            s.model_outputs = [None] * len(s.model_outputs)
+        if hasattr(s, "timestep_list"):
+            s.timestep_list = [None] * len(s.timestep_list)
+        if hasattr(s, "lower_order_nums"):
+            s.lower_order_nums = 0
+        if hasattr(s, "last_sample"):
+            s.last_sample = None
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, req: Request) -> np.ndarray:
+        """VAE decode to a float32 video (T, H, W, 3) in [0, 1], as ``pipe(..., output_type="np").frames[0]``."""
+
+    # ---- geometry and text ----------------------------------------------------------------
+    @abstractmethod
+    def token_grid(self, req: Request) -> tuple[int, int, int]:
+        """(T, H, W) of the transformer's visual tokens after patching."""
+
+    @abstractmethod
+    def prompt_token_ids(self, prompt: str) -> list[int]:
+        """Token ids of the prompt exactly as the transformer sees them (cond branch, unpadded)."""
+
+    def word_token_positions(self, prompt: str, word: str) -> list[int]:
+        """Positions (in the transformer's text sequence) of the tokens that spell ``word`` in ``prompt``.
+
+        Found by tokenizing the prompt with offsets and keeping the tokens whose character span
+        overlaps an occurrence of ``word`` (case-insensitive, whole word).
+        """
+        tok = self.pipe.tokenizer
+        text = self.clean_prompt(prompt)
+        enc = tok(text, return_offsets_mapping=True, add_special_tokens=True)
+        spans = [(m.start(), m.end()) for m in re.finditer(rf"\b{re.escape(word)}\b", text, flags=re.IGNORECASE)]
+        out = []
+        for i, (a, b) in enumerate(enc["offset_mapping"]):
+            if b > a and any(a < e and b > s for s, e in spans):
+                out.append(i + self.text_offset())
+        return out
+
+    def clean_prompt(self, prompt: str) -> str:
+        """The prompt text as the pipeline feeds it to its tokenizer."""
+        return prompt
+
+    def text_offset(self) -> int:
+        """Index of the first text token within the transformer's text sequence (0 for most families)."""
+        return 0

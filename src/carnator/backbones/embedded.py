@@ -1,0 +1,104 @@
+"""Adapter for the embedded shapes-world model (a Wan transformer with a pixel codec and word encoder)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ..errors import InvalidRequestError
+from ..request import Request
+from .base import Conditioning, GenerationDefaults, register_adapter
+from .wan import WanAdapter
+
+log = logging.getLogger("carnator")
+
+
+@register_adapter
+class EmbeddedAdapter(WanAdapter):
+    """The Wan adapter, with the embedded model's text encoder, latent layout and codec.
+
+    CFG runs both branches in one batched forward (the same arithmetic as two forwards).
+    """
+
+    family = "embedded"
+    pipeline_classes = ("EmbeddedPipeline",)
+
+    @property
+    def cfg(self):
+        return self.pipe.cfg
+
+    def model_identity(self) -> str:
+        if self.pipe.weights_sha256:
+            return f"embedded-{self.pipe.weights_sha256[:16]}"
+        return super().model_identity()
+
+    def defaults(self) -> GenerationDefaults:
+        c = self.cfg
+        return GenerationDefaults(num_inference_steps=c.num_inference_steps, num_frames=c.frames, height=c.size, width=c.size, guidance_scale=c.guidance_scale)
+
+    def check_geometry(self, req: Request) -> None:
+        c = self.cfg
+        if req.num_frames != c.frames or req.height != c.size or req.width != c.size:
+            raise InvalidRequestError(f"the embedded model makes {c.frames} frames of {c.size}x{c.size} only, got {req.num_frames} frames of {req.height}x{req.width}")
+
+    def token_grid(self, req: Request) -> tuple[int, int, int]:
+        c = self.cfg
+        pt, ph, pw = c.patch_size
+        s = c.size // c.codec_factor
+        return c.frames // pt, s // ph, s // pw
+
+    def clean_prompt(self, prompt: str) -> str:
+        return prompt
+
+    def unknown_words(self, prompt: str) -> list[str]:
+        return self.pipe.tokenizer.split(prompt)[1]
+
+    def prompt_token_ids(self, prompt: str) -> list[int]:
+        known, _ = self.pipe.tokenizer.split(prompt)
+        return [self.pipe.tokenizer.ids[w] for w in known]
+
+    def word_token_positions(self, prompt: str, word: str) -> list[int]:
+        known, _ = self.pipe.tokenizer.split(prompt)
+        return [i for i, w in enumerate(known) if w == word.lower()]
+
+    def encode(self, req: Request) -> Conditioning:
+        unknown = self.unknown_words(req.prompt)
+        if unknown:
+            log.warning(
+                "the embedded model ignores words it does not know: %s (it only knows the shapes world; real prompts need a real checkpoint: --model PATH)",
+                ", ".join(dict.fromkeys(unknown)),
+            )
+        do_cfg = req.guidance_scale > 1.0
+        texts = [req.prompt] + ([req.negative_prompt or ""] if do_cfg else [])
+        with torch.no_grad():
+            emb = self.pipe.encode_text(texts).to(self.transformer.dtype)
+        return Conditioning(data={"cond": emb[:1], "uncond": emb[1:] if do_cfg else None, "both": emb}, do_cfg=do_cfg)
+
+    def prepare_latents(self, req: Request, generator: torch.Generator) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        c = self.cfg
+        s = c.size // c.codec_factor
+        return randn_tensor((1, c.latent_channels, c.frames, s, s), generator=generator, device=self.device, dtype=torch.float32)
+
+    def predict(self, latents, t, step, cond, req):
+        tr = self.transformer
+        x = latents.to(tr.dtype)
+        with torch.no_grad():
+            if cond.do_cfg:
+                xb = x.expand(2, *x.shape[1:])
+                out = tr(hidden_states=xb, timestep=t.expand(2), encoder_hidden_states=cond.data["both"], return_dict=False)[0]
+                c, u = out[:1], out[1:]
+                return (u + req.guidance_scale * (c - u)).float()
+            return tr(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=cond.data["cond"], return_dict=False)[0].float()
+
+    def decode_tensor(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> pixels (B, 3, T, H, W) in [0, 1] (clamped)."""
+        return self.pipe.vae.decode(latents.float()).clamp(0, 1)
+
+    def decode(self, latents: torch.Tensor, req: Request) -> np.ndarray:
+        with torch.no_grad():
+            v = self.decode_tensor(latents)[0]
+        return v.permute(1, 2, 3, 0).cpu().numpy().astype(np.float32)

@@ -1,0 +1,63 @@
+"""The embedded default backbone (shapes world), shipped inside the package.
+
+``load_pipeline()`` returns the trained :class:`EmbeddedPipeline`; its weights
+(``weights.safetensors``) are checked against the SHA-256 in ``weights.json`` before use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+from .model import EmbeddedConfig, EmbeddedPipeline, PixelCodec, TextEncoder, WordTokenizer
+
+HERE = Path(__file__).resolve().parent
+WEIGHTS = HERE / "weights.safetensors"
+MANIFEST = HERE / "weights.json"
+
+__all__ = ["EmbeddedConfig", "EmbeddedPipeline", "PixelCodec", "TextEncoder", "WordTokenizer", "load_pipeline", "save_pipeline"]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_pipeline(pipe: EmbeddedPipeline, weights: Path = WEIGHTS, manifest: Path = MANIFEST, *, dtype=torch.float16, info: dict | None = None) -> str:
+    """Write the weights (``dtype``) and a manifest with the config and checksum; returns the checksum."""
+    from safetensors.torch import save_file
+
+    state = {f"transformer.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in pipe.transformer.state_dict().items()}
+    state.update({f"text_encoder.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in pipe.text_encoder.state_dict().items()})
+    save_file(state, str(weights))
+    digest = _sha256(weights)
+    manifest.write_text(json.dumps({"config": pipe.cfg.to_dict(), "sha256": digest, "dtype": str(dtype).replace("torch.", ""), "info": info or {}}, indent=1))
+    return digest
+
+
+def load_pipeline(device: str | torch.device = "cpu", weights: Path = WEIGHTS, manifest: Path = MANIFEST, *, dtype=torch.float32) -> EmbeddedPipeline:
+    """The trained embedded model, checksum-verified, in ``dtype`` on ``device``."""
+    from safetensors.torch import load_file
+
+    if not weights.exists() or not manifest.exists():
+        raise ModelLoadError(f"the embedded model's weights are missing ({weights}); reinstall carnator")
+    meta = json.loads(manifest.read_text())
+    digest = _sha256(weights)
+    if digest != meta["sha256"]:
+        raise ModelLoadError(f"the embedded model's weights fail their checksum ({weights}); reinstall carnator")
+    cfg = EmbeddedConfig.from_dict(meta["config"])
+    pipe = EmbeddedPipeline(cfg)
+    state = load_file(str(weights))
+    pipe.transformer.load_state_dict({k[len("transformer."):]: v.float() for k, v in state.items() if k.startswith("transformer.")})
+    pipe.text_encoder.load_state_dict({k[len("text_encoder."):]: v.float() for k, v in state.items() if k.startswith("text_encoder.")})
+    pipe.transformer.to(device, dtype).eval()
+    pipe.text_encoder.to(device, dtype).eval()
+    pipe.weights_sha256 = digest
+    return pipe

@@ -1,0 +1,42 @@
+"""Batched dense sampling of the embedded model (training-time evaluation and benchmarks).
+
+Same arithmetic as the engine's loop with :class:`~carnator.backbones.embedded.EmbeddedAdapter`
+(UniPC flow solver, CFG with the empty negative prompt), over many prompts at once.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .model import EmbeddedPipeline
+
+
+@torch.no_grad()
+def sample_batch(pipe: EmbeddedPipeline, prompts: list[str], seeds: list[int], *, steps: int | None = None, guidance_scale: float | None = None) -> torch.Tensor:
+    """Generate one clip per prompt; returns pixels (B, 3, T, H, W) in [0, 1]."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    c = pipe.cfg
+    steps = steps or c.num_inference_steps
+    g = c.guidance_scale if guidance_scale is None else guidance_scale
+    dev = pipe._execution_device
+    dtype = next(pipe.transformer.parameters()).dtype
+    s = c.size // c.codec_factor
+    lat = torch.cat([
+        randn_tensor((1, c.latent_channels, c.frames, s, s), generator=torch.Generator("cpu").manual_seed(int(sd)), device=dev, dtype=torch.float32)
+        for sd in seeds
+    ])
+    B = len(prompts)
+    emb = pipe.encode_text(list(prompts) + [""]).to(dtype)
+    cond, unc = emb[:B], emb[B:].expand(B, -1, -1)
+    sched = copy.deepcopy(pipe.scheduler)
+    sched.set_timesteps(steps, device=dev)
+    sched.set_begin_index(0)
+    for t in sched.timesteps:
+        x = lat.to(dtype)
+        out = pipe.transformer(hidden_states=torch.cat([x, x]), timestep=t.expand(2 * B), encoder_hidden_states=torch.cat([cond, unc]), return_dict=False)[0].float()
+        pred = out[B:] + g * (out[:B] - out[B:])
+        lat = sched.step(pred, t, lat, return_dict=False)[0]
+    return pipe.vae.decode(lat).clamp(0, 1)

@@ -1,0 +1,260 @@
+"""The request lifecycle: resolve -> exact tier -> policy plan -> denoise -> decode -> store."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import denoise
+from .backbones.base import BackboneAdapter, Conditioning, adapter_for
+from .errors import CarnatorError, InvalidRequestError, ModelLoadError
+from .policies import Plan, get_policy_class, policy_names
+from .request import Request, Result, Stats, to_uint8
+
+log = logging.getLogger("carnator")
+
+
+@dataclass
+class EngineConfig:
+    """Engine-wide settings.
+
+    capture_steps: which post-scheduler latents are stored with every entry ("all", "none", or a
+        list of step indices). Reuse needs the latents at the steps policies resume from.
+    latent_dtype: dtype of stored latents (float16 halves the bytes; float32 keeps them exact).
+    store_video: keep the decoded video with the entry, so an identical request is an exact hit.
+    capacity_bytes: cache capacity (None = unbounded); eviction: "lru" or "lcbfu".
+    """
+
+    capture_steps: str | list[int] = "all"
+    latent_dtype: str = "float32"
+    store_video: bool = True
+    capacity_bytes: int | None = None
+    eviction: str = "lru"
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class RequestContext:
+    """Everything a policy may look at or ask for while planning one request."""
+
+    engine: "Carnator"
+    request: Request
+    cond: Conditioning
+    state: denoise.DenoiseState
+    compat_key: str
+    timings: dict[str, float]
+    _embedding: np.ndarray | None = None
+
+    @property
+    def adapter(self) -> BackboneAdapter:
+        return self.engine.adapter
+
+    @property
+    def bank(self):
+        return self.engine.bank
+
+    def embedding(self) -> np.ndarray:
+        if self._embedding is None:
+            self._embedding = self.engine.embedder(self.request.prompt)
+        return self._embedding
+
+    def run_steps(self, stop: int, hooks: denoise.StepHooks | None = None) -> denoise.DenoiseState:
+        """Advance this request's own trajectory (a probe): its steps count toward its latency."""
+        return denoise.run_steps(self.adapter, self.state, self.cond, self.request, stop, capture=self.engine._capture(self.state), hooks=hooks)
+
+
+class Carnator:
+    """Cross-request reuse around a diffusers text-to-video pipeline.
+
+    >>> eng = Carnator.from_pretrained("embedded")
+    >>> res = eng.generate("a red ball moving left on grass", seed=7)
+    >>> res.frames.shape, res.stats.hit
+    """
+
+    def __init__(self, pipe, cache_dir: str | os.PathLike | None = None, *, config: EngineConfig | None = None, embedder=None, adapter: BackboneAdapter | None = None):
+        self.pipe = pipe
+        self.adapter = adapter if adapter is not None else adapter_for(pipe)
+        self.config = config or EngineConfig()
+        from .cache import CacheBank, default_cache_dir
+
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.bank = CacheBank(root, capacity_bytes=self.config.capacity_bytes, eviction=self.config.eviction)
+        self._embedder = embedder
+        self._policies: dict[str, Any] = {}
+        self.model_identity = self.adapter.model_identity()
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None, torch_dtype: torch.dtype | None = None, **kwargs) -> "Carnator":
+        """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if model == "embedded":
+            from .embedded import load_pipeline
+
+            pipe = load_pipeline(device=device)
+            from .backbones.embedded import EmbeddedAdapter
+
+            return cls(pipe, cache_dir, adapter=EmbeddedAdapter(pipe), **kwargs)
+        path = Path(model)
+        if not path.is_dir():
+            raise ModelLoadError(f"model not found: {model!r} is neither 'embedded' nor a local diffusers directory")
+        index = path / "model_index.json"
+        if not index.exists():
+            raise ModelLoadError(f"{path} is not a diffusers pipeline directory (no model_index.json)")
+        try:
+            class_name = json.loads(index.read_text())["_class_name"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index} is not a valid diffusers model index") from e
+        from .backbones.base import supported_pipelines
+
+        if class_name not in supported_pipelines():
+            raise ModelLoadError(f"unsupported pipeline class {class_name}; supported: {', '.join(supported_pipelines())}")
+        import diffusers
+
+        try:
+            pipe = getattr(diffusers, class_name).from_pretrained(str(path), torch_dtype=torch_dtype, local_files_only=True)
+        except Exception as e:  # diffusers raises many types for broken directories
+            raise ModelLoadError(f"could not load {class_name} from {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        pipe = pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, cache_dir, **kwargs)
+
+    @property
+    def embedder(self):
+        if self._embedder is None:
+            from .embed import default_embedder
+
+            self._embedder = default_embedder()
+        return self._embedder
+
+    def policy(self, name: str):
+        if name not in self._policies:
+            klass = get_policy_class(name)
+            if klass is None:
+                raise InvalidRequestError(f"unknown policy {name!r}; available: {', '.join(policy_names())}")
+            self._policies[name] = klass(**self.config.policy_options.get(name, {}))
+        return self._policies[name]
+
+    def compat_key(self, req: Request) -> str:
+        from .cache import compat_key
+
+        return compat_key(self.model_identity, self.adapter.scheduler_name(), req.settings())
+
+    def _capture(self, state: denoise.DenoiseState) -> set[int]:
+        return denoise.capture_set(self.config.capture_steps, state.num_steps)
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str,
+        *,
+        seed: int,
+        policy: str = "dense",
+        negative_prompt: str | None = None,
+        num_inference_steps: int | None = None,
+        num_frames: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        guidance_scale: float | None = None,
+        tenant: str = "default",
+        store: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Result:
+        """Generate one video; reuse cached work where ``policy`` finds it safe.
+
+        Returns a :class:`Result` with ``frames`` (uint8, T x H x W x 3) and ``stats``.
+        """
+        t_start = time.perf_counter()
+        pol = self.policy(policy)
+        req = self.adapter.resolve(
+            prompt, seed=seed, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
+            num_frames=num_frames, height=height, width=width, guidance_scale=guidance_scale, tenant=tenant,
+        )
+        stats = Stats(policy=policy)
+        timings = stats.timings
+
+        # Exact tier: an identical request returns the stored video without denoising.
+        exact_key = req.exact_key(self.model_identity)
+        t0 = time.perf_counter()
+        hit = self.bank.lookup_exact(req.tenant, exact_key)
+        if hit is not None:
+            tensors = self.bank.load(hit.id, ["video"])
+            if tensors is not None:
+                self.bank.touch(hit.id)
+                stats.hit = stats.exact_hit = True
+                stats.source_id = hit.id
+                stats.resume_step = req.num_inference_steps
+                timings["exact_lookup"] = time.perf_counter() - t0
+                timings["total"] = time.perf_counter() - t_start
+                frames = tensors["video"].numpy()
+                return Result(frames=frames, stats=stats, request=req)
+        timings["exact_lookup"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        cond = self.adapter.encode(req)
+        state = denoise.start(self.adapter, req)
+        timings["encode"] = time.perf_counter() - t0
+        ctx = RequestContext(self, req, cond, state, self.compat_key(req), timings)
+
+        plan: Plan = pol.plan(ctx)  # may run a probe (advancing state) and records its own stage timings
+        if plan.init_latents is not None:
+            state.latents = plan.init_latents.to(state.latents.device, state.latents.dtype)
+            state.next_step = int(plan.resume_step)
+            self.adapter.seek(state.next_step)
+        stats.hit = plan.hit
+        stats.source_id = plan.source_id
+        stats.resume_step = plan.resume_step
+        stats.active_fraction = plan.active_fraction
+        stats.mask_density = plan.mask_density
+        stats.notes.update(plan.notes)
+
+        dit_before = state.dit_seconds
+        cb = (lambda i: progress(i + 1, state.num_steps)) if progress else None
+        denoise.run_steps(self.adapter, state, cond, req, capture=self._capture(state), hooks=plan.hooks, progress=cb)
+        timings["dit"] = state.dit_seconds
+        timings["dit_after_plan"] = state.dit_seconds - dit_before
+        stats.dit_forwards = state.dit_forwards
+
+        t0 = time.perf_counter()
+        video = self.adapter.decode(state.latents, req)
+        frames = to_uint8(video)
+        timings["decode"] = time.perf_counter() - t0
+
+        if store:
+            t0 = time.perf_counter()
+            stats.entry_id = self._admit(ctx, plan, state, frames, exact_key)
+            timings["store"] = time.perf_counter() - t0
+        if plan.source_id is not None:
+            self.bank.touch(plan.source_id)
+        timings["total"] = time.perf_counter() - t_start
+        return Result(frames=frames, stats=stats, request=req, video=video)
+
+    def _admit(self, ctx: RequestContext, plan: Plan, state: denoise.DenoiseState, frames: np.ndarray, exact_key: str) -> str | None:
+        req = ctx.request
+        dtype = getattr(torch, self.config.latent_dtype)
+        tensors: dict[str, torch.Tensor] = {f"traj.{i}": z.to(dtype) for i, z in state.trajectory.items()}
+        tensors["final"] = state.latents.detach().to("cpu", dtype)
+        if self.config.store_video:
+            tensors["video"] = torch.from_numpy(np.ascontiguousarray(frames))
+        tensors.update(plan.entry_tensors)
+        extra = {"steps": req.num_inference_steps, **plan.entry_extra}
+        try:
+            return self.bank.admit(
+                tenant=req.tenant, compat_key=ctx.compat_key, exact_key=exact_key if self.config.store_video else None,
+                prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed,
+                steps_saved=float(req.num_inference_steps), embedding=ctx.embedding(), tensors=tensors, extra=extra,
+            )
+        except CarnatorError:
+            raise
+        except OSError as e:
+            log.warning("could not store the entry: %s", e)
+            return None

@@ -1,0 +1,60 @@
+"""Policies turn a request into a :class:`Plan`. They plan; the denoiser executes; the bank stores."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ..denoise import StepHooks
+
+if TYPE_CHECKING:
+    from ..engine import RequestContext
+
+
+@dataclass
+class Plan:
+    """What the denoiser does for one request after the policy has decided.
+
+    ``resume_step`` = first step still to run. With ``init_latents`` set, the loop starts from that
+    latent (a cached request's post-scheduler latent after step ``resume_step - 1``); without it,
+    from the request's own state (its noise, or the latent after a probe).
+    """
+
+    hit: bool = False
+    source_id: str | None = None
+    resume_step: int | None = None
+    init_latents: torch.Tensor | None = None
+    hooks: StepHooks | None = None
+    active_fraction: float | None = None
+    mask_density: float | None = None
+    entry_extra: dict[str, Any] = field(default_factory=dict)  # what the policy wants stored with the new entry
+    entry_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """Decides, per request, whether and how to reuse cached work."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def plan(self, ctx: "RequestContext") -> Plan: ...
+
+
+_POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    _POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_names() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def get_policy_class(name: str) -> type[Policy] | None:
+    return _POLICIES.get(name)

@@ -1,0 +1,13 @@
+"""``dense``: the unmodified pipeline (the baseline every speedup is measured against)."""
+
+from __future__ import annotations
+
+from .base import Plan, Policy, register_policy
+
+
+@register_policy
+class DensePolicy(Policy):
+    name = "dense"
+
+    def plan(self, ctx) -> Plan:
+        return Plan(hit=False)
