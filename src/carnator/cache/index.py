@@ -1,0 +1,144 @@
+"""Exact cosine top-k over one scope's recall embeddings, with FAISS or plain numpy.
+
+Vectors are L2-normalized to ``float32`` once, when added. The numpy backend scores every vector;
+the FAISS backend (``IndexFlatIP``) shortlists candidates, which are then re-scored the same way the
+numpy backend scores them. If the shortlist cannot be proven to contain the true top-k (near-ties at
+its edge), the search falls back to scoring everything. So both backends return the same ids, in
+the same order, with bit-identical scores: ordering is by descending score, ties by insertion order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+BACKENDS = ("faiss", "numpy")
+
+
+@functools.cache
+def _faiss() -> Any | None:
+    try:
+        import faiss
+    except Exception:  # ImportError, or a broken native install
+        return None
+    return faiss
+
+
+def available_backends() -> list[str]:
+    """Backends usable in this environment (``numpy`` always is)."""
+    return [b for b in BACKENDS if b != "faiss" or _faiss() is not None]
+
+
+def resolve_backend(name: str) -> str:
+    """``"auto"`` -> ``"faiss"`` when importable, else ``"numpy"``; explicit names are checked."""
+    if name == "auto":
+        return "faiss" if _faiss() is not None else "numpy"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown index backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
+    if name == "faiss" and _faiss() is None:
+        raise ValueError("index backend 'faiss' requested but faiss is not importable (pip install faiss-cpu)")
+    return name
+
+
+def normalize(vectors: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit L2 norm (computed in float64, returned as float32; zero rows stay zero)."""
+    v = np.asarray(vectors, dtype=np.float64)
+    squeeze = v.ndim == 1
+    v = np.atleast_2d(v)
+    norms = np.linalg.norm(v, axis=1, keepdims=True)
+    out = np.divide(v, norms, out=np.zeros_like(v), where=norms > 0)
+    out = out.astype(np.float32)
+    return out[0] if squeeze else out
+
+
+class ScopeIndex:
+    """The embeddings of one ``(tenant, compat_key)`` scope, searchable by cosine similarity."""
+
+    def __init__(self, dim: int, backend: str = "numpy") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown index backend {backend!r}")
+        self.dim = int(dim)
+        self.backend = backend
+        self.ids: list[str] = []
+        self._vecs = np.zeros((0, self.dim), dtype=np.float32)
+        self._flat: Any | None = None  # faiss.IndexFlatIP, rebuilt lazily after removals
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add(self, ids: Sequence[str], vectors: np.ndarray) -> None:
+        """Append ``ids`` with their (unnormalized) ``vectors``, shape ``(len(ids), dim)``."""
+        if not ids:
+            return
+        vecs = normalize(np.asarray(vectors).reshape(len(ids), -1))
+        if vecs.shape[1] != self.dim:
+            raise ValueError(f"expected {self.dim}-d vectors, got {vecs.shape[1]}-d")
+        self.ids.extend(ids)
+        self._vecs = np.concatenate([self._vecs, vecs]) if len(self._vecs) else vecs
+        if self._flat is not None:
+            self._flat.add(np.ascontiguousarray(vecs))
+
+    def remove(self, ids: Iterable[str]) -> int:
+        """Drop ``ids`` (unknown ids are ignored); returns how many were present."""
+        gone = set(ids)
+        keep = [i for i, e in enumerate(self.ids) if e not in gone]
+        removed = len(self.ids) - len(keep)
+        if removed:
+            self.ids = [self.ids[i] for i in keep]
+            self._vecs = self._vecs[keep]
+            self._flat = None
+        return removed
+
+    def search(self, query: np.ndarray, k: int) -> list[tuple[str, float]]:
+        """Top ``k`` ``(id, cosine)`` pairs, best first (ties: earlier-added first)."""
+        n = len(self.ids)
+        if k <= 0 or n == 0:
+            return []
+        q = normalize(np.asarray(query).reshape(-1))
+        if q.shape[0] != self.dim:
+            raise ValueError(f"query is {q.shape[0]}-d, index is {self.dim}-d")
+        if self.backend == "faiss":
+            positions = self._faiss_shortlist(q, k)
+        else:
+            positions = None
+        if positions is None:
+            positions = np.arange(n)
+        order, scores = self._rank(positions, q, k)
+        return [(self.ids[p], float(s)) for p, s in zip(order, scores, strict=True)]
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _rank(self, positions: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact float64 scores of ``positions``; the top ``k`` by (score desc, position asc)."""
+        positions = np.sort(np.asarray(positions, dtype=np.int64))
+        # Row-wise products and sums (not a BLAS matmul, whose blocking depends on the number of
+        # rows): a vector's score must not depend on which other vectors are scored with it.
+        # float32 x float32 products are exact in float64.
+        scores = np.sum(self._vecs[positions].astype(np.float64) * q.astype(np.float64), axis=1)
+        order = np.lexsort((positions, -scores))[:k]
+        return positions[order], scores[order]
+
+    def _faiss_shortlist(self, q: np.ndarray, k: int) -> np.ndarray | None:
+        """Candidate positions that provably contain the exact top-k, or None to score everything."""
+        n = len(self.ids)
+        m = min(n, k + max(k, 16))
+        if m >= n:
+            return None  # the shortlist would be everything anyway
+        if self._flat is None:
+            faiss = _faiss()
+            assert faiss is not None
+            self._flat = faiss.IndexFlatIP(self.dim)
+            self._flat.add(np.ascontiguousarray(self._vecs))
+        dist, idx = self._flat.search(np.ascontiguousarray(q[None, :]), m)
+        cand = idx[0][idx[0] >= 0]
+        if len(cand) < m:
+            return None
+        _, exact = self._rank(cand, q, k)
+        # Anything outside the shortlist scored <= dist[0][-1] in float32; bound float32 error.
+        tol = self.dim * 2.0**-22 + 1e-6
+        if len(exact) < k or float(dist[0][-1]) + tol >= float(exact[-1]):
+            return None
+        return cand

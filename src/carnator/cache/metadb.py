@@ -1,0 +1,419 @@
+"""The bank's metadata database: SQLite in WAL mode, safe to share between processes.
+
+Every process keeps its own connection (reopened after ``fork`` or when ``bank.sqlite`` is replaced
+by another process's recovery). Writers use ``BEGIN IMMEDIATE`` and wait up to ``busy_timeout``
+for each other. Nothing read from the database is trusted across calls without re-checking: the
+bank's vector indices compare the counters in :meth:`MetaDB.sync_state` before every search.
+
+Tables:
+
+``meta``
+    ``format_version``, ``embed_dim``, ``epoch`` (a token that changes on ``clear``).
+``entries``
+    one row per entry; ``seq`` is an AUTOINCREMENT rowid, so later inserts always get larger ones.
+``removals``
+    a log of removed entries (the last :data:`REMOVAL_LOG_KEEP`), so other processes' indices can
+    drop them without a full rebuild.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CacheError
+from .entry import EntryMeta
+
+#: Version of the on-disk layout (``VERSION`` marker, schema, file naming). Bump on incompatible change.
+FORMAT_VERSION = 1
+#: How many removals the log keeps; an index further behind than this rebuilds from scratch.
+REMOVAL_LOG_KEEP = 4096
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS entries (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        compat_key TEXT NOT NULL,
+        exact_key TEXT,
+        prompt TEXT NOT NULL,
+        negative_prompt TEXT,
+        seed TEXT,
+        created REAL NOT NULL,
+        last_used REAL NOT NULL,
+        use_count INTEGER NOT NULL DEFAULT 0,
+        steps_saved REAL NOT NULL DEFAULT 0,
+        nbytes INTEGER NOT NULL,
+        checksum TEXT NOT NULL,
+        embedding BLOB NOT NULL,
+        extra TEXT NOT NULL DEFAULT '{}'
+    )""",
+    "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
+    "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
+    """CREATE TABLE IF NOT EXISTS removals (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        compat_key TEXT NOT NULL
+    )""",
+)
+
+_COLUMNS = (
+    "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
+    "use_count, steps_saved, nbytes, embedding, extra, checksum"
+)
+
+_CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+
+
+class DatabaseCorrupt(sqlite3.DatabaseError):
+    """``PRAGMA quick_check`` found damage that SQLite itself did not raise on."""
+
+
+def is_corruption(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database file is damaged (as opposed to busy, read-only, full, ...)."""
+    if isinstance(exc, DatabaseCorrupt):
+        return True
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _CORRUPT_CODES
+    msg = str(exc).lower()
+    return "malformed" in msg or "not a database" in msg
+
+
+@dataclass(frozen=True)
+class SyncState:
+    """Counters that tell an in-memory index whether (and how) the table changed under it."""
+
+    epoch: str
+    entry_seq: int
+    removal_seq: int
+    oldest_logged_removal: int | None
+
+
+@dataclass(frozen=True)
+class ScopeRow:
+    seq: int
+    id: str
+    embedding: np.ndarray
+
+
+class MetaDB:
+    """One process's connection to ``bank.sqlite``."""
+
+    def __init__(self, path: Path, *, busy_timeout_s: float = 30.0) -> None:
+        self.path = path
+        self.busy_timeout_s = float(busy_timeout_s)
+        self._conn: sqlite3.Connection | None = None
+        self._pid = -1
+        self._inode: tuple[int, int] | None = None
+
+    # -- connection ------------------------------------------------------------------------------
+
+    def open(self, *, check: bool = True) -> None:
+        """Connect, create the schema if needed and check the format version.
+
+        With ``check``, runs ``PRAGMA quick_check`` and raises :class:`DatabaseCorrupt` on damage.
+        Raises :class:`CacheError` if the database was written by another format version; lets
+        corruption errors (see :func:`is_corruption`) through for the bank to recover from.
+        """
+        self.close()
+        conn = sqlite3.connect(
+            self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise CacheError(f"cache database {self.path} cannot use WAL mode (got {mode!r})")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            if check:
+                result = [r[0] for r in conn.execute("PRAGMA quick_check(5)")]
+                if result != ["ok"]:
+                    raise DatabaseCorrupt("; ".join(map(str, result)))
+            self._init_schema(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        self._pid = os.getpid()
+        self._inode = self._stat_inode()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise CacheError("the cache bank is closed")
+        return self._conn
+
+    def is_stale(self) -> bool:
+        """True after a fork, or when ``bank.sqlite`` is no longer the file this connection opened."""
+        return self._conn is None or self._pid != os.getpid() or self._stat_inode() != self._inode
+
+    def _stat_inode(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_dev, st.st_ino)
+
+    def _init_schema(self, conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for stmt in _SCHEMA:
+                conn.execute(stmt)
+            conn.execute(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES ('format_version', ?)", (str(FORMAT_VERSION),)
+            )
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', ?)", (secrets.token_hex(8),))
+            version = conn.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()[0]
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        if str(version) != str(FORMAT_VERSION):
+            raise CacheError(
+                f"cache database {self.path} uses format version {version}, this carnator reads version "
+                f"{FORMAT_VERSION}; use another cache directory or delete this one"
+            )
+
+    # -- transactions ----------------------------------------------------------------------------
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction (``BEGIN IMMEDIATE``): committed on success, rolled back on error."""
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: every query inside sees one consistent snapshot."""
+        conn = self.conn
+        conn.execute("BEGIN")
+        try:
+            yield conn
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+
+    # -- meta ------------------------------------------------------------------------------------
+
+    def get_meta(self, key: str, conn: sqlite3.Connection | None = None) -> str | None:
+        row = (conn or self.conn).execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, conn: sqlite3.Connection, key: str, value: str) -> None:
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def ensure_embed_dim(self, dim: int) -> int:
+        """Record ``dim`` as the bank's embedding size unless one is recorded; returns the recorded one."""
+        with self.write() as conn:
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('embed_dim', ?)", (str(int(dim)),))
+            return int(self.get_meta("embed_dim", conn) or dim)
+
+    def sync_state(self, conn: sqlite3.Connection) -> SyncState:
+        seqs = dict(conn.execute("SELECT name, seq FROM sqlite_sequence").fetchall())
+        oldest = conn.execute("SELECT min(seq) FROM removals").fetchone()[0]
+        return SyncState(
+            epoch=self.get_meta("epoch", conn) or "",
+            entry_seq=int(seqs.get("entries", 0)),
+            removal_seq=int(seqs.get("removals", 0)),
+            oldest_logged_removal=None if oldest is None else int(oldest),
+        )
+
+    # -- entries ---------------------------------------------------------------------------------
+
+    def insert(self, conn: sqlite3.Connection, meta: EntryMeta) -> None:
+        conn.execute(
+            "INSERT INTO entries (id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, "
+            "last_used, use_count, steps_saved, nbytes, checksum, embedding, extra) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                meta.id,
+                meta.tenant,
+                meta.compat_key,
+                meta.exact_key,
+                meta.prompt,
+                meta.negative_prompt,
+                None if meta.seed is None else str(int(meta.seed)),
+                meta.created,
+                meta.last_used,
+                int(meta.use_count),
+                float(meta.steps_saved),
+                int(meta.nbytes),
+                meta.checksum,
+                np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
+                dump_extra(meta.extra),
+            ),
+        )
+
+    def delete(self, conn: sqlite3.Connection, ids: Iterable[str]) -> list[str]:
+        """Delete rows by id and log the removals; returns the ids that existed."""
+        removed: list[str] = []
+        for entry_id in ids:
+            row = conn.execute("SELECT tenant, compat_key FROM entries WHERE id = ?", (entry_id,)).fetchone()
+            if row is None:
+                continue
+            conn.execute("DELETE FROM entries WHERE id = ?", (entry_id,))
+            conn.execute(
+                "INSERT INTO removals (id, tenant, compat_key) VALUES (?, ?, ?)", (entry_id, row[0], row[1])
+            )
+            removed.append(entry_id)
+        if removed:
+            conn.execute(
+                "DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - ?", (REMOVAL_LOG_KEEP,)
+            )
+        return removed
+
+    def delete_all(self, conn: sqlite3.Connection, tenant: str | None) -> list[str]:
+        """Delete every row (of ``tenant``); changes the epoch so every index rebuilds."""
+        if tenant is None:
+            ids = [r[0] for r in conn.execute("SELECT id FROM entries")]
+            conn.execute("DELETE FROM entries")
+        else:
+            ids = [r[0] for r in conn.execute("SELECT id FROM entries WHERE tenant = ?", (tenant,))]
+            conn.execute("DELETE FROM entries WHERE tenant = ?", (tenant,))
+        if ids:
+            self.set_meta(conn, "epoch", secrets.token_hex(8))
+        return ids
+
+    def get(self, entry_id: str, conn: sqlite3.Connection | None = None) -> EntryMeta | None:
+        row = (conn or self.conn).execute(f"SELECT {_COLUMNS} FROM entries WHERE id = ?", (entry_id,)).fetchone()
+        return None if row is None else _to_meta(row)
+
+    def get_many(self, conn: sqlite3.Connection, ids: Sequence[str]) -> dict[str, EntryMeta]:
+        out: dict[str, EntryMeta] = {}
+        for start in range(0, len(ids), 500):
+            chunk = list(ids[start : start + 500])
+            marks = ",".join("?" * len(chunk))
+            for row in conn.execute(f"SELECT {_COLUMNS} FROM entries WHERE id IN ({marks})", chunk):
+                meta = _to_meta(row)
+                out[meta.id] = meta
+        return out
+
+    def checksum(self, entry_id: str) -> str | None:
+        row = self.conn.execute("SELECT checksum FROM entries WHERE id = ?", (entry_id,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def checksums(self) -> list[tuple[str, str]]:
+        return [(str(a), str(b)) for a, b in self.conn.execute("SELECT id, checksum FROM entries ORDER BY seq")]
+
+    def ids(self) -> set[str]:
+        return {r[0] for r in self.conn.execute("SELECT id FROM entries")}
+
+    def by_exact_key(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
+        sql = f"SELECT {_COLUMNS} FROM entries WHERE tenant = ? AND exact_key = ?"
+        args: list[Any] = [tenant, exact_key]
+        if compat_key is not None:
+            sql += " AND compat_key = ?"
+            args.append(compat_key)
+        row = self.conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
+        return None if row is None else _to_meta(row)
+
+    def exact_key_ids(self, conn: sqlite3.Connection, tenant: str, exact_key: str) -> list[str]:
+        rows = conn.execute("SELECT id FROM entries WHERE tenant = ? AND exact_key = ?", (tenant, exact_key))
+        return [r[0] for r in rows]
+
+    def all(self, conn: sqlite3.Connection | None = None, tenant: str | None = None) -> list[EntryMeta]:
+        c = conn or self.conn
+        if tenant is None:
+            rows = c.execute(f"SELECT {_COLUMNS} FROM entries ORDER BY seq")
+        else:
+            rows = c.execute(f"SELECT {_COLUMNS} FROM entries WHERE tenant = ? ORDER BY seq", (tenant,))
+        return [_to_meta(r) for r in rows]
+
+    def total_bytes(self, conn: sqlite3.Connection) -> int:
+        return int(conn.execute("SELECT coalesce(sum(nbytes), 0) FROM entries").fetchone()[0])
+
+    def per_tenant(self) -> list[tuple[str, int, int]]:
+        return [
+            (str(t), int(c), int(b))
+            for t, c, b in self.conn.execute(
+                "SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM entries GROUP BY tenant ORDER BY tenant"
+            )
+        ]
+
+    def touch(self, entry_id: str, now: float, steps_saved: float | None) -> bool:
+        if steps_saved is None:
+            cur = self.conn.execute(
+                "UPDATE entries SET last_used = ?, use_count = use_count + 1 WHERE id = ?", (now, entry_id)
+            )
+        else:
+            cur = self.conn.execute(
+                "UPDATE entries SET last_used = ?, use_count = use_count + 1, steps_saved = ? WHERE id = ?",
+                (now, float(steps_saved), entry_id),
+            )
+        return cur.rowcount > 0
+
+    def scope_rows(self, conn: sqlite3.Connection, tenant: str, compat_key: str, after_seq: int = 0) -> list[ScopeRow]:
+        rows = conn.execute(
+            "SELECT seq, id, embedding FROM entries WHERE tenant = ? AND compat_key = ? AND seq > ? ORDER BY seq",
+            (tenant, compat_key, after_seq),
+        )
+        return [ScopeRow(int(s), str(i), np.frombuffer(e, dtype="<f4").astype(np.float32)) for s, i, e in rows]
+
+    def scope_removals(self, conn: sqlite3.Connection, tenant: str, compat_key: str, after_seq: int) -> list[str]:
+        rows = conn.execute(
+            "SELECT id FROM removals WHERE tenant = ? AND compat_key = ? AND seq > ?", (tenant, compat_key, after_seq)
+        )
+        return [r[0] for r in rows]
+
+
+def _to_meta(row: Sequence[Any]) -> EntryMeta:
+    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, cs) = row
+    return EntryMeta(
+        id=str(id_),
+        tenant=str(tenant),
+        compat_key=str(ck),
+        exact_key=ek,
+        prompt=str(prompt),
+        negative_prompt=neg,
+        seed=None if seed is None else int(seed),
+        created=float(created),
+        last_used=float(last_used),
+        use_count=int(use_count),
+        steps_saved=float(steps_saved),
+        nbytes=int(nbytes),
+        embedding=np.frombuffer(emb, dtype="<f4").astype(np.float32),
+        extra=json.loads(extra) if extra else {},
+        checksum=str(cs),
+    )
+
+
+def dump_extra(extra: Any) -> str:
+    """``extra`` as the JSON stored in its row (numpy / torch values become plain numbers and lists)."""
+    return json.dumps(extra, sort_keys=True, default=_json_default)
+
+
+def _json_default(value: Any) -> Any:
+    """Let numpy / torch scalars and arrays through ``json.dumps`` in ``extra``."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"extra holds a {type(value).__name__}, which is not JSON-serializable")
