@@ -69,7 +69,7 @@ def _seed(seed: int) -> None:
 def tiny_wan(seed: int = 0, *, expand_timesteps: bool = False):
     """A tiny WanPipeline (Wan2.1 layout; ``expand_timesteps=True`` gives the Wan2.2-TI2V code path)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import T5EncoderModel, UMT5Config, UMT5EncoderModel
+    from transformers import UMT5Config, UMT5EncoderModel
 
     _seed(seed)
     vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
@@ -113,7 +113,11 @@ def tiny_ltx(seed: int = 0, *, timestep_conditioning: bool = False):
     vae.use_framewise_decoding = False
     _seed(seed)
     text_encoder = _tiny_t5(d_model=32)
-    pipe = LTXPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+    # LTX-Video's own scheduler settings: the shift depends on the token count (the pipeline's ``mu``).
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096
+    )
+    pipe = LTXPipeline(transformer=transformer, vae=vae, scheduler=scheduler,
                        text_encoder=text_encoder, tokenizer=byte_tokenizer(128))
     pipe.set_progress_bar_config(disable=True)
     return pipe  # float32 already
@@ -126,8 +130,7 @@ def tiny_hunyuan(seed: int = 0):
     so the byte-level Llama tokenizer truncates on the left: the kept window then ends with the
     prompt (and the template's closing ``<|eot_id|>``), as with the real tokenizer.
     """
-    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
-                           HunyuanVideoTransformer3DModel)
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
     from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
 
     _seed(seed)
@@ -163,8 +166,13 @@ def tiny_hunyuan(seed: int = 0):
 def tiny_cogvideox(seed: int = 0, *, patch_size_t: int | None = None, scheduler: str = "ddim"):
     """A tiny CogVideoXPipeline: 1.0-5B layout (rotary embeddings) by default; ``patch_size_t=2`` gives the 1.5
     layout (temporal patching, padded latent frames); ``scheduler="dpm"`` the multistep CogVideoXDPMScheduler."""
-    from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXDPMScheduler, CogVideoXPipeline,
-                           CogVideoXTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLCogVideoX,
+        CogVideoXDDIMScheduler,
+        CogVideoXDPMScheduler,
+        CogVideoXPipeline,
+        CogVideoXTransformer3DModel,
+    )
 
     _seed(seed)
     transformer = CogVideoXTransformer3DModel(

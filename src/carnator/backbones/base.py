@@ -106,8 +106,9 @@ class BackboneAdapter(ABC):
         for name in ("transformer", "vae", "text_encoder", "scheduler"):
             comp = getattr(self.pipe, name, None)
             cfg = getattr(comp, "config", None)
-            if cfg is not None:
-                h.update(json.dumps(dict(cfg), sort_keys=True, default=str).encode())
+            if cfg is not None:  # diffusers configs are dicts; transformers configs (text encoders) have to_dict()
+                cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+                h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
         # Fingerprint a few weights so two random inits of one config never collide.
         with torch.no_grad():
             for i, p in enumerate(self.transformer.parameters()):
