@@ -102,7 +102,12 @@ def main() -> int:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             emb = pipe.encode_text(caps)
             pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=emb, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), target)
+        if cfg.prediction == "x0":
+            # x0-prediction with the velocity loss: ||(x0_hat - x0) / sigma||^2, sigma floored at 0.05.
+            w = 1.0 / sigma.clamp_min(0.05).view(-1, 1, 1, 1, 1)
+            loss = torch.nn.functional.mse_loss(pred.float() * w, x0 * w)
+        else:
+            loss = torch.nn.functional.mse_loss(pred.float(), target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -118,6 +123,8 @@ def main() -> int:
             if step % 500 == 0:
                 print(f"step {step} {time.time() - t_start:.0f}s loss {ema_loss:.4f}", flush=True)
     stop.set()
+    while not q.empty():
+        q.get_nowait()
     log.close()
     train_s = time.time() - t_start
     print(f"trained {step} steps in {train_s:.0f}s", flush=True)
@@ -150,7 +157,7 @@ def main() -> int:
         import multiprocessing as mp
         import os
 
-        with mp.get_context("fork").Pool(min(16, os.cpu_count() or 1)) as pool:
+        with mp.get_context("spawn").Pool(min(16, os.cpu_count() or 1)) as pool:
             reps = pool.starmap(judge, list(zip(frames, caps)))
         fid = float(np.mean([r.fidelity for r in reps]))
         art = float(np.mean([r.artifact for r in reps]))

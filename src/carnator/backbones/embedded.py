@@ -89,10 +89,12 @@ class EmbeddedAdapter(WanAdapter):
         with torch.no_grad():
             if cond.do_cfg:
                 xb = x.expand(2, *x.shape[1:])
-                out = tr(hidden_states=xb, timestep=t.expand(2), encoder_hidden_states=cond.data["both"], return_dict=False)[0]
+                tb = t.expand(2)
+                out = self.pipe.velocity(xb, tb, tr(hidden_states=xb, timestep=tb, encoder_hidden_states=cond.data["both"], return_dict=False)[0])
                 c, u = out[:1], out[1:]
-                return (u + req.guidance_scale * (c - u)).float()
-            return tr(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=cond.data["cond"], return_dict=False)[0].float()
+                return u + req.guidance_scale * (c - u)
+            t1 = t.expand(1)
+            return self.pipe.velocity(x, t1, tr(hidden_states=x, timestep=t1, encoder_hidden_states=cond.data["cond"], return_dict=False)[0])
 
     def decode_tensor(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> pixels (B, 3, T, H, W) in [0, 1] (clamped)."""

@@ -37,6 +37,11 @@ class EmbeddedConfig:
     text_heads: int = 4
     max_words: int = 24
     flow_shift: float = 2.0
+    #: what the transformer outputs: "x0" (the clean latent; converted to the flow velocity the
+    #: scheduler expects) or "velocity". Pixel-space tokens are high-dimensional (2x8x8x3 = 384
+    #: values per token), where x0-prediction learns and velocity-prediction does not (Li & He 2025,
+    #: "Back to Basics: Let Denoising Generative Models Denoise"; measured: velocity left noise).
+    prediction: str = "x0"
     num_inference_steps: int = 50
     guidance_scale: float = 4.0
     vocab: list[str] = field(default_factory=list)
@@ -175,6 +180,16 @@ class EmbeddedPipeline:
 
     def set_progress_bar_config(self, **kw) -> None:
         pass
+
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The transformer's output as a flow velocity (noise - x0) for the scheduler.
+
+        For x0-prediction, v = (x_t - x0_hat) / sigma with sigma = t / 1000 (> 0 at every sampling timestep).
+        """
+        if self.cfg.prediction == "velocity":
+            return out
+        sigma = (timestep.float() / 1000.0).clamp_min(1e-4).view(-1, *([1] * (out.ndim - 1)))
+        return (latents.float() - out.float()) / sigma
 
     def encode_text(self, texts: list[str]) -> torch.Tensor:
         ids, mask = self.tokenizer(texts)

@@ -36,7 +36,8 @@ def sample_batch(pipe: EmbeddedPipeline, prompts: list[str], seeds: list[int], *
     sched.set_begin_index(0)
     for t in sched.timesteps:
         x = lat.to(dtype)
-        out = pipe.transformer(hidden_states=torch.cat([x, x]), timestep=t.expand(2 * B), encoder_hidden_states=torch.cat([cond, unc]), return_dict=False)[0].float()
+        xx, tt = torch.cat([x, x]), t.expand(2 * B)
+        out = pipe.velocity(xx, tt, pipe.transformer(hidden_states=xx, timestep=tt, encoder_hidden_states=torch.cat([cond, unc]), return_dict=False)[0])
         pred = out[B:] + g * (out[:B] - out[B:])
         lat = sched.step(pred, t, lat, return_dict=False)[0]
     return pipe.vae.decode(lat).clamp(0, 1)

@@ -1,0 +1,245 @@
+"""The shapes world: scene description, closed vocabularies, a sampler and the held-out split.
+
+A :class:`Scene` is a background plus one or two :class:`Obj` (shape, colour, size, motion).
+Everything is a short lower-case string id from the tuples below, so scenes are hashable,
+comparable and trivially serialisable (``dataclasses.asdict``).
+
+Geometry lives in units of the frame side (``size``): object radii are ``SIZE_RADIUS[size] * size``
+pixels and each shape's extent is ``SHAPE_EXTENT[shape] * radius`` (half-width, half-height).
+Colours are sRGB 0..255 triples, chosen far apart in CIELAB (CIEDE2000 >= 19 between object
+colours; an object colour is only used on a background it differs from by >= 25, see
+:func:`compatible`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# --------------------------------------------------------------------------------------------
+# vocabularies (ids; the caption grammar maps them to words)
+# --------------------------------------------------------------------------------------------
+
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "ring", "star", "diamond", "cross")
+
+#: object colours, sRGB 0..255
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 35),
+    "orange": (250, 140, 20),
+    "yellow": (250, 225, 40),
+    "green": (30, 165, 55),
+    "cyan": (40, 215, 225),
+    "blue": (35, 70, 225),
+    "purple": (150, 40, 170),
+    "pink": (250, 125, 195),
+    "white": (250, 250, 250),
+    "black": (15, 15, 15),
+}
+
+#: backgrounds: (top row colour, bottom row colour), a mild linear vertical gradient
+BACKGROUNDS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
+    "sky": ((75, 145, 230), (140, 190, 245)),
+    "grass": ((95, 150, 65), (70, 125, 45)),
+    "snow": ((228, 234, 242), (205, 213, 225)),
+    "desert": ((230, 200, 140), (210, 175, 115)),
+    "night": ((12, 16, 50), (35, 40, 85)),
+    "gray": ((128, 128, 128), (128, 128, 128)),
+    "teal": ((30, 110, 110), (30, 110, 110)),
+    "maroon": ((110, 30, 50), (110, 30, 50)),
+}
+
+SIZES: tuple[str, ...] = ("small", "big")
+#: object radius as a fraction of the frame side (7 px and 11 px at 64x64)
+SIZE_RADIUS: dict[str, float] = {"small": 7 / 64, "big": 11 / 64}
+
+MOTIONS: tuple[str, ...] = ("left", "right", "up", "down", "bouncing", "still", "growing", "shrinking")
+#: the "reversed" motion used by motion edits (still and bouncing swap)
+OPPOSITE_MOTION: dict[str, str] = {
+    "left": "right", "right": "left", "up": "down", "down": "up",
+    "growing": "shrinking", "shrinking": "growing", "still": "bouncing", "bouncing": "still",
+}
+
+#: straight-line travel over the clip (left/right/up/down), fraction of the frame side (27 px at 64)
+TRAVEL = 0.42
+#: bounce height (two bounces over the clip), fraction of the frame side (22 px at 64)
+BOUNCE = 0.34
+#: scale at the first / last frame of a growing object (shrinking: reversed); geometric in time,
+#: so the median scale is 1 and "small"/"big" describe the middle of the clip
+GROW = (0.75, 1 / 0.75)
+
+#: shape half-extents (half-width, half-height) in units of the object radius; the bounding box
+#: of every shape is centred on the object's position
+SHAPE_EXTENT: dict[str, tuple[float, float]] = {
+    "circle": (1.0, 1.0),
+    "square": (0.9, 0.9),
+    "triangle": (1.25, 1.25 * 3**0.5 / 2),
+    "ring": (1.05, 1.05),
+    "star": (1.35 * float(np.sin(np.radians(72))), 1.35 * (1 + float(np.cos(np.radians(36)))) / 2),
+    "diamond": (1.25, 1.25),
+    "cross": (1.1, 1.1),
+}
+
+#: minimum CIEDE2000 distance between an object colour and (both ends of) its background
+MIN_CONTRAST = 25.0
+
+
+@dataclass(frozen=True)
+class Obj:
+    """One object. ``None`` fields only occur in partial scenes returned by ``captions.parse``."""
+
+    shape: str | None
+    color: str | None
+    size: str | None
+    motion: str | None
+
+
+@dataclass(frozen=True)
+class Scene:
+    """A background and 1-2 objects (drawn in order: the second is on top)."""
+
+    background: str | None
+    objects: tuple[Obj, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        object.__setattr__(self, "objects", tuple(self.objects))
+
+    def validate(self) -> "Scene":
+        """Raise ValueError unless this is a complete scene the renderer and sampler accept."""
+        if self.background not in BACKGROUNDS:
+            raise ValueError(f"unknown background {self.background!r}")
+        if not 1 <= len(self.objects) <= 2:
+            raise ValueError("a scene has 1 or 2 objects")
+        for o in self.objects:
+            if o.shape not in SHAPES or o.color not in COLORS or o.size not in SIZES or o.motion not in MOTIONS:
+                raise ValueError(f"incomplete or unknown object {o}")
+            if not compatible(o.color, self.background):
+                raise ValueError(f"{o.color} has too little contrast on {self.background}")
+        return self
+
+    def replace_object(self, i: int, **changes) -> "Scene":
+        objs = list(self.objects)
+        objs[i] = Obj(**{**objs[i].__dict__, **changes})
+        return Scene(self.background, tuple(objs))
+
+
+# --------------------------------------------------------------------------------------------
+# colour science (tiny, numpy; the judge uses the same functions)
+# --------------------------------------------------------------------------------------------
+
+def srgb_to_lab(rgb: np.ndarray) -> np.ndarray:
+    """sRGB in [0,1] (..., 3) -> CIELAB (D65), float64."""
+    from skimage.color import rgb2lab
+
+    rgb = np.asarray(rgb, dtype=np.float64)
+    return rgb2lab(rgb.reshape(-1, 1, 3)).reshape(rgb.shape)
+
+
+def delta_e(lab1: np.ndarray, lab2: np.ndarray) -> np.ndarray:
+    """CIEDE2000 distance, broadcasting over leading dims."""
+    from skimage.color import deltaE_ciede2000
+
+    a, b = np.broadcast_arrays(np.asarray(lab1, float), np.asarray(lab2, float))
+    return deltaE_ciede2000(a, b)
+
+
+def _lab(c) -> np.ndarray:
+    return srgb_to_lab(np.asarray(c, float) / 255.0)
+
+
+def _contrast_table() -> dict[tuple[str, str], float]:
+    out = {}
+    for bg, (top, bot) in BACKGROUNDS.items():
+        for c, rgb in COLORS.items():
+            out[c, bg] = float(min(delta_e(_lab(rgb), _lab(top)), delta_e(_lab(rgb), _lab(bot))))
+    return out
+
+
+CONTRAST: dict[tuple[str, str], float] = _contrast_table()
+
+
+def compatible(color: str, background: str) -> bool:
+    """Whether ``color`` may be drawn on ``background`` (far enough from it; never 'equal')."""
+    return CONTRAST[color, background] >= MIN_CONTRAST
+
+
+def colors_for(background: str) -> list[str]:
+    return [c for c in COLORS if compatible(c, background)]
+
+
+def backgrounds_for(colors) -> list[str]:
+    return [b for b in BACKGROUNDS if all(compatible(c, b) for c in colors)]
+
+
+# --------------------------------------------------------------------------------------------
+# held-out split of attribute combinations
+# --------------------------------------------------------------------------------------------
+
+#: 1 in HELDOUT_RATE (shape, colour) and (shape, motion) pairs are never shown in training
+HELDOUT_RATE = 10
+
+
+def _stable_hash(*parts: str) -> int:
+    return int.from_bytes(hashlib.md5("|".join(("carnator-world",) + parts).encode()).digest()[:8], "little")
+
+
+HELDOUT_SHAPE_COLOR: frozenset[tuple[str, str]] = frozenset(
+    (s, c) for s in SHAPES for c in COLORS if _stable_hash("sc", s, c) % HELDOUT_RATE == 0
+)
+HELDOUT_SHAPE_MOTION: frozenset[tuple[str, str]] = frozenset(
+    (s, m) for s in SHAPES for m in MOTIONS if _stable_hash("sm", s, m) % HELDOUT_RATE == 0
+)
+
+
+def split_of(scene: Scene) -> str:
+    """'heldout' if any object shows a held-out (shape, colour) or (shape, motion) pair, else 'train'.
+
+    Deterministic (a fixed hash of the attribute names), independent of background, size and
+    caption wording. Every shape, colour and motion still occurs in training.
+    """
+    for o in scene.objects:
+        if (o.shape, o.color) in HELDOUT_SHAPE_COLOR or (o.shape, o.motion) in HELDOUT_SHAPE_MOTION:
+            return "heldout"
+    return "train"
+
+
+# --------------------------------------------------------------------------------------------
+# sampling
+# --------------------------------------------------------------------------------------------
+
+def as_rng(rng) -> np.random.Generator:
+    """Accept a numpy Generator, an int seed or None."""
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+
+
+def sample_scene(rng=None, n_objects: int | None = None, split: str | None = "train", p_two: float = 0.5) -> Scene:
+    """A random complete scene.
+
+    Background, shapes, sizes and motions are uniform; colours are uniform over those compatible
+    with the background, and two objects never share a colour (so the judge can tell them apart
+    even where they touch). ``split`` ('train' / 'heldout' / None for any) rejection-samples.
+    """
+    rng = as_rng(rng)
+    for _ in range(10_000):
+        bg = BACKGROUNDS_LIST[rng.integers(len(BACKGROUNDS_LIST))]
+        n = n_objects or (2 if rng.random() < p_two else 1)
+        cols = colors_for(bg)
+        picked = rng.choice(len(cols), size=n, replace=False)
+        objs = tuple(
+            Obj(SHAPES[rng.integers(len(SHAPES))], cols[k], SIZES[rng.integers(len(SIZES))], MOTIONS[rng.integers(len(MOTIONS))])
+            for k in picked
+        )
+        scene = Scene(bg, objs)
+        if split is None or split_of(scene) == split:
+            return scene
+    raise RuntimeError(f"could not sample a {split} scene")
+
+
+def sample_scenes(n: int, rng=None, **kw) -> list[Scene]:
+    rng = as_rng(rng)
+    return [sample_scene(rng, **kw) for _ in range(n)]
+
+
+BACKGROUNDS_LIST: tuple[str, ...] = tuple(BACKGROUNDS)
+COLORS_LIST: tuple[str, ...] = tuple(COLORS)
