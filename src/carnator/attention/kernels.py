@@ -1,0 +1,220 @@
+"""Block-sparse attention kernels and token gather / scatter helpers.
+
+:func:`masked_attention` is exact attention where the queries of query block ``i`` attend only
+to the keys of the key blocks ``j`` with ``block_mask[..., i, j]``. Two paths, same result:
+
+- ``"sdpa"`` (CPU, and any device): expand the block mask to an element mask, ``chunk`` query
+  rows at a time, and call :func:`torch.nn.functional.scaled_dot_product_attention`. Memory is
+  bounded by the chunk; compute is dense (no speedup), so use it for correctness and small sizes.
+- ``"flex"`` (chosen automatically when ``q.is_cuda``): FlexAttention, compiled once per process
+  with ``torch.compile``, over a ``BlockMask`` built directly from the block table
+  (:func:`flex_block_mask`). Skipped blocks cost nothing; it pays below ~60 % block density on an
+  H200 (DESIGN.md field notes). On CUDA the block size must be a multiple of 128 (flex's kernel
+  tiles); other block sizes fall back to ``"sdpa"``. On CPU, ``backend="flex"`` runs flex
+  *eagerly* (slow, for tests; compiled flex fails on the CPU build).
+
+Query rows with no allowed key (an all-False row of the block mask) output zeros on both paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from .blockmask import num_blocks
+
+__all__ = [
+    "FLEX_BLOCK",
+    "check_flex_against_sdpa",
+    "flex_block_mask",
+    "gather_tokens",
+    "masked_attention",
+    "scatter_tokens",
+]
+
+FLEX_BLOCK = 128
+"""Default block size, and the granularity flex needs on CUDA (block % 128 == 0)."""
+
+_ELEMENTS_PER_CHUNK = 1 << 25  # bool mask elements (and attention scores) per SDPA chunk
+_compiled_flex: Any = None
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """The tokens ``idx`` (int64) of ``x`` along the token dimension ``dim`` (``index_select``).
+
+    The default ``dim=-2`` fits both hidden states ``(B, N, C)`` and per-head ``(B, H, N, D)``.
+    """
+    return x.index_select(dim, idx.to(x.device))
+
+
+def scatter_tokens(x: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """Copy of ``x`` with the tokens ``idx`` along ``dim`` replaced by ``values`` (``index_copy``).
+
+    Inverse of :func:`gather_tokens`: ``scatter_tokens(x, idx, gather_tokens(x, idx)) == x``.
+    """
+    return x.index_copy(dim, idx.to(x.device), values.to(x.dtype))
+
+
+def _broadcast_mask(block_mask: torch.Tensor, b: int, h: int, nq: int, nk: int) -> torch.Tensor:
+    """``(nq, nk)``, ``(H, nq, nk)`` or ``(B|1, H|1, nq, nk)`` -> bool view ``(B, H, nq, nk)``."""
+    m = block_mask.bool()
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if m.shape[-2:] != (nq, nk):
+        raise ValueError(f"block_mask has {tuple(m.shape[-2:])} blocks, expected ({nq}, {nk})")
+    return m.expand(b, h, nq, nk)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: torch.Tensor,
+    block: int = FLEX_BLOCK,
+    scale: float | None = None,
+    *,
+    backend: Literal["auto", "sdpa", "flex"] = "auto",
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``q (B, H, Nq, D)`` over ``k, v (B, H, Nk, D|Dv)`` limited to allowed blocks.
+
+    ``block_mask`` is bool ``(B, H, nq, nk)`` (or broadcastable: ``(H, nq, nk)``, ``(nq, nk)``,
+    size-1 B / H) with ``nq = ceil(Nq / block)``, ``nk = ceil(Nk / block)``. ``scale`` defaults to
+    ``1 / sqrt(D)``. Rows with no allowed key output zeros. ``backend="auto"`` uses compiled flex
+    when ``q.is_cuda`` and ``block % 128 == 0``, else chunked SDPA (``chunk`` query rows at a time;
+    default: about 32 M mask elements per chunk).
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be (B, H, N, D)")
+    b, h, nq_tok, _ = q.shape
+    nk_tok = k.shape[2]
+    bm = _broadcast_mask(block_mask.to(q.device), b, h, num_blocks(nq_tok, block), num_blocks(nk_tok, block))
+    if backend == "auto":
+        backend = "flex" if (q.is_cuda and block % FLEX_BLOCK == 0) else "sdpa"
+    if backend == "flex":
+        return _flex_attention(q, k, v, bm, block, scale)
+    if backend != "sdpa":
+        raise ValueError(f"unknown backend {backend!r}")
+    return _sdpa_masked(q, k, v, bm, block, scale, chunk)
+
+
+def _sdpa_masked(q, k, v, bm, block, scale, chunk) -> torch.Tensor:
+    b, h, nq_tok, _ = q.shape
+    nk_tok = k.shape[2]
+    if chunk is None:
+        chunk = max(1, _ELEMENTS_PER_CHUNK // max(1, b * h * nk_tok))
+    key_block = torch.arange(nk_tok, device=q.device) // block
+    row_has_key = bm.any(dim=-1)  # (B, H, nq)
+    out = q.new_empty(b, h, nq_tok, v.shape[-1])
+    for start in range(0, nq_tok, chunk):
+        stop = min(start + chunk, nq_tok)
+        q_block = torch.arange(start, stop, device=q.device) // block
+        has = row_has_key[:, :, q_block, None]  # (B, H, c, 1)
+        mask = bm[:, :, q_block][..., key_block] | ~has  # keyless rows: any finite values, zeroed below
+        o = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale)
+        out[:, :, start:stop] = o.masked_fill(~has, 0)
+    return out
+
+
+def flex_block_mask(block_mask: torch.Tensor, block: int, q_len: int, kv_len: int, *, full_blocks: bool = True):
+    """A FlexAttention ``BlockMask`` from a bool block table ``(B, H, nq, nk)``.
+
+    Built with ``BlockMask.from_kv_blocks`` (kv indices: the allowed key blocks of each query
+    block, ascending). The ``mask_mod`` reads the same table, so eager flex (which ignores the
+    block table and evaluates only ``mask_mod``) gives the same answer as the compiled kernel.
+    ``full_blocks=True`` lists every allowed block as *full* (the kernel then skips ``mask_mod``
+    inside it, which is exact: within an allowed block every in-range element is allowed; flex
+    masks positions past ``q_len`` / ``kv_len`` itself); ``False`` lists them as partial blocks
+    that evaluate ``mask_mod`` elementwise (slower, for cross-checking).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    table = block_mask.bool().contiguous()
+    counts = table.sum(dim=-1, dtype=torch.int32)
+    indices = torch.argsort(table.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return table[b, h, q_idx // block, kv_idx // block]
+
+    kw: dict[str, Any] = {"BLOCK_SIZE": block, "mask_mod": mask_mod, "seq_lengths": (q_len, kv_len)}
+    if full_blocks:
+        return BlockMask.from_kv_blocks(torch.zeros_like(counts), indices, counts, indices, **kw)
+    return BlockMask.from_kv_blocks(counts, indices, **kw)
+
+
+def compiled_flex_attention():
+    """``torch.compile(flex_attention)``, created once per process.
+
+    New BlockMasks of the same shape reuse the compiled kernel. A new sequence length recompiles
+    (dynamo's default then marks lengths dynamic). Fixed shapes are fastest: on CUDA prefer the
+    same-shape ``restrict(..., compact=False)`` (skipped blocks cost flex nothing) over gathering
+    a different number of tokens at every step.
+    """
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def _flex_attention(q, k, v, bm, block, scale, *, full_blocks: bool = True) -> torch.Tensor:
+    mask = flex_block_mask(bm, block, q.shape[2], k.shape[2], full_blocks=full_blocks)
+    if not q.is_cuda:  # eager: evaluates mask_mod densely; for tests only
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask, scale=scale)
+    return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)
+
+
+def _random_block_mask(b, h, nq, nk, density, generator, device) -> torch.Tensor:
+    """Bernoulli(density) block table with one fully masked query block per (b, h) row set."""
+    m = torch.rand(b, h, nq, nk, generator=generator) < density
+    m[:, :, 0] = False  # a query block with no key: must output zeros
+    return m.to(device)
+
+
+def check_flex_against_sdpa(
+    device: str = "cuda",
+    *,
+    shape: tuple[int, int, int, int] = (2, 4, 1000, 64),
+    block: int = FLEX_BLOCK,
+    densities: tuple[float, ...] = (0.1, 0.3, 0.6, 1.0),
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+    atol: float | None = None,
+) -> list[dict[str, Any]]:
+    """Compare flex (compiled on CUDA) with masked SDPA on random inputs; raise on a mismatch.
+
+    ``shape = (B, H, N, D)``; ``N`` is deliberately not a multiple of ``block`` (partial last
+    block). Each case checks full-block and partial-block BlockMasks, a query block with no key
+    (zeros expected), and a dense all-True mask against plain SDPA. The reference is masked SDPA in
+    float32 on the same (rounded) inputs. Returns one dict per case with the max abs errors.
+    """
+    gen = torch.Generator().manual_seed(0)
+    b, h, n, d = shape
+    nb = num_blocks(n, block)
+    results = []
+    for dtype in dtypes:
+        tol = atol if atol is not None else (3e-2 if dtype in (torch.bfloat16, torch.float16) else 2e-3)
+        q, k, v = (torch.randn(b, h, n, d, generator=gen).to(device, dtype) for _ in range(3))
+        for density in densities:
+            bm = _random_block_mask(b, h, nb, nb, density, gen, device)
+            if density >= 1.0:
+                bm[:] = True
+            ref = _sdpa_masked(q.float(), k.float(), v.float(), bm, block, None, None)
+            row = {"dtype": str(dtype).removeprefix("torch."), "density": float(bm.float().mean())}
+            for full in (True, False):
+                out = _flex_attention(q, k, v, bm, block, None, full_blocks=full).float()
+                name = "full" if full else "partial"
+                row[f"err_{name}"] = float((out - ref).abs().max())
+                if density < 1.0:  # query block 0 has no key
+                    row[f"zero_rows_{name}"] = float(out[:, :, :block].abs().max())
+            if density >= 1.0:
+                row["err_dense_sdpa"] = float((F.scaled_dot_product_attention(q, k, v).float() - ref).abs().max())
+            results.append(row)
+            bad = [key for key, val in row.items() if key.startswith(("err", "zero")) and not val <= tol]
+            if bad:
+                raise AssertionError(f"flex vs masked SDPA mismatch on {device}: {row} (tol {tol})")
+    return results
