@@ -238,8 +238,8 @@ def restrict(
       zeros there; the caller keeps the cached computation for those tokens). Shapes stay fixed,
       so compiled flex never recompiles and still skips the dropped blocks: prefer it on CUDA.
     - ``compact=True``: the sub-matrix of kept rows and columns, ``(..., nq', nk')``, matching
-      tokens gathered with :func:`block_token_index` (less work on the SDPA path; on CUDA a
-      changing token count makes dynamo recompile flex, then with dynamic shapes).
+      tokens gathered with :func:`block_token_index` (less work on the SDPA path; on CUDA every
+      new token count compiles flex once more).
 
     A kept query block whose allowed key blocks all lie outside the kept key blocks would have no
     key left; it instead attends to all kept key blocks (its whole Context), never to nothing.

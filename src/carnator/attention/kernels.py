@@ -147,16 +147,18 @@ def flex_block_mask(block_mask: torch.Tensor, block: int, q_len: int, kv_len: in
 def compiled_flex_attention():
     """``torch.compile(flex_attention)``, created once per process.
 
-    New BlockMasks of the same shape reuse the compiled kernel. A new sequence length recompiles
-    (dynamo's default then marks lengths dynamic). Fixed shapes are fastest: on CUDA prefer the
-    same-shape ``restrict(..., compact=False)`` (skipped blocks cost flex nothing) over gathering
-    a different number of tokens at every step.
+    Compiled with static shapes (``dynamic=False``): new BlockMasks of the same shape reuse the
+    kernel; each new (shape, dtype, full/partial-block layout) compiles once more, and past
+    dynamo's recompile limit (8 by default; ``torch._dynamo.config.recompile_limit``) flex falls
+    back to eager, which materializes the scores. A serving process sees few shapes; on CUDA
+    prefer the same-shape ``restrict(..., compact=False)`` (skipped blocks cost flex nothing)
+    over gathering a different number of tokens at every step.
     """
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention)
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
 
