@@ -1,0 +1,262 @@
+"""Risk-aware threshold selection (PAPER step 6), offline.
+
+Input: request-cache pairs, each with its :class:`~carnator.reuse.compat.Discrepancies` and a
+boolean ``acceptable`` (reuse quality within ``Delta_m`` of dense for every metric ``m``; deciding
+that is the caller's job). The pairs are split deterministically into a *selection* and a disjoint
+*certification* set (paper: 30 and 70 pairs).
+
+* Selection: grid search over per-dimension candidate thresholds (the observed values, plus
+  ``+inf`` = off, plus one value below every observation = reject every applicable pair) for the
+  ``tau`` maximizing coverage (share of pairs accepted) subject to unsafe rate (unacceptable among
+  accepted) ``<= delta``. Ties: fewer unsafe pairs, then the tightest thresholds (smallest sum of
+  candidate ranks), which generalize more conservatively.
+* Certification: apply ``tau`` to the certification set and compute the one-sided Clopper-Pearson
+  upper bound on the unsafe rate at confidence ``1 - alpha``; certified iff the bound ``<= delta``.
+  Paper: 50 of 70 accepted, 0 unsafe, bound ``1 - 0.1**(1/50) = 4.50 %`` at 90 %.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.stats import beta
+
+from .compat import DIMENSIONS, Discrepancies, Thresholds
+
+__all__ = [
+    "CalibrationConfig",
+    "CalibrationPair",
+    "CalibrationResult",
+    "calibrate",
+    "clopper_pearson_upper",
+    "evaluate",
+    "select_thresholds",
+    "split_pairs",
+]
+
+
+@dataclass(frozen=True)
+class CalibrationPair:
+    """One (query, cached request) pair: its discrepancies and whether reusing was acceptable."""
+
+    d: Discrepancies
+    acceptable: bool
+    key: str | None = None
+    """Optional identifier, carried for reports only."""
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Knobs of the risk-aware selection. Paper values where it gives them (PAPER step 6)."""
+
+    delta: float = 0.05
+    """Maximum tolerated unsafe rate (paper: 5 %)."""
+    confidence: float = 0.90
+    """Confidence ``1 - alpha`` of the Clopper-Pearson certification bound (paper: 90 %)."""
+    n_selection: int | None = None
+    """Size of the selection split; ``None`` uses ``selection_fraction``. The paper uses 30 of 100."""
+    selection_fraction: float = 0.3
+    """Share of pairs used for selection when ``n_selection`` is ``None`` (paper: 30 of 100),
+    rounded to the nearest integer and kept within ``[1, n - 1]``."""
+    split_seed: int | None = 0
+    """Seed of the deterministic shuffle before splitting; ``None`` keeps the given order (the first
+    pairs select, the rest certify). Chosen default: 0."""
+    max_candidates: int = 64
+    """At most this many observed values per dimension are grid candidates (evenly spaced ranks of
+    the sorted distinct values, always including the largest); the search costs about
+    ``max_candidates**4`` operations (about a second at 64) plus ``O(n)``. Chosen default."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.delta < 1.0:
+            raise ValueError(f"CalibrationConfig: delta must lie in [0, 1), got {self.delta}")
+        if not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"CalibrationConfig: confidence must lie in (0, 1), got {self.confidence}")
+        if not 0.0 < self.selection_fraction < 1.0:
+            raise ValueError(f"CalibrationConfig: selection_fraction must lie in (0, 1), got {self.selection_fraction}")
+        if self.max_candidates < 1:
+            raise ValueError("CalibrationConfig: max_candidates must be >= 1")
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Outcome of :func:`calibrate`."""
+
+    thresholds: Thresholds
+    delta: float
+    confidence: float
+    selection_size: int
+    selection_accepted: int
+    selection_unsafe: int
+    certification_size: int
+    certification_accepted: int
+    certification_unsafe: int
+    certification_bound: float
+    """One-sided Clopper-Pearson upper bound on the unsafe rate among accepted certification pairs
+    (1.0 when none is accepted)."""
+    certified: bool
+    """``certification_accepted > 0`` and ``certification_bound <= delta``."""
+    selection_indices: tuple[int, ...] = field(default=(), repr=False)
+    certification_indices: tuple[int, ...] = field(default=(), repr=False)
+
+    @property
+    def selection_coverage(self) -> float:
+        return self.selection_accepted / self.selection_size if self.selection_size else 0.0
+
+    @property
+    def selection_unsafe_rate(self) -> float:
+        return self.selection_unsafe / self.selection_accepted if self.selection_accepted else 0.0
+
+    @property
+    def certification_coverage(self) -> float:
+        return self.certification_accepted / self.certification_size if self.certification_size else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (for ``Thresholds.save(meta=...)``)."""
+        return {
+            "delta": self.delta,
+            "confidence": self.confidence,
+            "selection": {
+                "size": self.selection_size,
+                "accepted": self.selection_accepted,
+                "unsafe": self.selection_unsafe,
+                "coverage": self.selection_coverage,
+            },
+            "certification": {
+                "size": self.certification_size,
+                "accepted": self.certification_accepted,
+                "unsafe": self.certification_unsafe,
+                "bound": self.certification_bound,
+                "coverage": self.certification_coverage,
+            },
+            "certified": self.certified,
+        }
+
+
+def clopper_pearson_upper(k: int, n: int, confidence: float) -> float:
+    """One-sided Clopper-Pearson upper confidence bound for a binomial rate with ``k`` of ``n``.
+
+    The largest ``p`` with ``P(X <= k | n, p) >= 1 - confidence``, i.e. the ``confidence`` quantile of
+    ``Beta(k + 1, n - k)``; 1 when ``k == n`` or ``n == 0``. For ``k = 0`` it is
+    ``1 - (1 - confidence)**(1/n)`` (paper: ``n = 50`` at 90 % gives 4.50 %).
+    """
+    k, n = int(k), int(n)
+    if n < 0 or not 0 <= k <= max(n, 0):
+        raise ValueError(f"need 0 <= k <= n, got k={k} n={n}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    if n == 0 or k == n:
+        return 1.0
+    return float(beta.ppf(confidence, k + 1, n - k))
+
+
+def _matrix(pairs: Sequence[CalibrationPair]) -> tuple[np.ndarray, np.ndarray]:
+    """``(n, 4)`` discrepancy values (not applicable -> -inf, always passes) and ``(n,)`` unsafe flags."""
+    vals = np.array(
+        [[-math.inf if getattr(p.d, k) is None else float(getattr(p.d, k)) for k in DIMENSIONS] for p in pairs],
+        dtype=np.float64,
+    ).reshape(len(pairs), len(DIMENSIONS))
+    unsafe = np.array([not bool(p.acceptable) for p in pairs], dtype=bool)
+    return vals, unsafe
+
+
+def evaluate(pairs: Sequence[CalibrationPair], tau: Thresholds) -> tuple[int, int]:
+    """``(accepted, unsafe)`` counts of ``tau`` on ``pairs`` (same rule as ``compat.compatible``)."""
+    if not pairs:
+        return 0, 0
+    vals, unsafe = _matrix(pairs)
+    t = np.array([getattr(tau, k) for k in DIMENSIONS])
+    acc = np.all(vals <= t[None, :], axis=1)  # NaN compares False: rejected
+    return int(acc.sum()), int((acc & unsafe).sum())
+
+
+def split_pairs(n: int, cfg: CalibrationConfig = CalibrationConfig()) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic disjoint (selection, certification) index arrays over ``range(n)``, each sorted."""
+    if n < 2:
+        raise ValueError(f"need at least 2 pairs to split into selection and certification, got {n}")
+    n_sel = int(cfg.n_selection) if cfg.n_selection is not None else round(cfg.selection_fraction * n)
+    if cfg.n_selection is not None and not 1 <= n_sel <= n - 1:
+        raise ValueError(f"n_selection={n_sel} leaves an empty split for {n} pairs")
+    n_sel = min(max(n_sel, 1), n - 1)
+    order = np.arange(n) if cfg.split_seed is None else np.random.default_rng(cfg.split_seed).permutation(n)
+    return np.sort(order[:n_sel]), np.sort(order[n_sel:])
+
+
+def _candidates(col: np.ndarray, max_candidates: int) -> np.ndarray:
+    obs = np.unique(col[np.isfinite(col)])
+    if obs.size > max_candidates:
+        obs = obs[np.linspace(0, obs.size - 1, max_candidates).round().astype(np.int64)]
+    reject = (min(0.0, float(obs[0])) if obs.size else 0.0) - 1.0  # below every observation
+    return np.concatenate([[reject], obs, [math.inf]])
+
+
+def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candidates: int = 64) -> tuple[Thresholds, int, int]:
+    """Grid search for the coverage-maximizing ``tau`` with unsafe rate ``<= delta`` on ``pairs``.
+
+    Returns ``(tau, accepted, unsafe)``. Always feasible: accepting nothing has unsafe rate 0.
+    """
+    if not pairs:
+        raise ValueError("select_thresholds needs at least one pair")
+    vals, unsafe = _matrix(pairs)
+    n = len(pairs)
+    cands = [_candidates(vals[:, k], max_candidates) for k in range(4)]
+    sizes = [len(c) for c in cands]
+    # r[p, k]: index of the tightest candidate of dimension k that pair p passes (values <= it);
+    # not applicable (-inf) -> 0; NaN sorts past the end -> never passes.
+    r = np.stack([np.searchsorted(cands[k], vals[:, k], side="left") for k in range(4)], axis=1)
+    valid = np.all(r < np.array(sizes)[None, :], axis=1)
+    # Accepted / unsafe counts for every candidate combination are 4-D cumulative sums of the pair
+    # histogram over r; sweep dimension 0 and keep a running 3-D slice (memory K^3, time ~K^4).
+    k1, k2, k3 = sizes[1:]
+    acc = np.zeros((k1, k2, k3), dtype=np.int64)
+    uns = np.zeros((k1, k2, k3), dtype=np.int64)
+    ranks123 = np.arange(k1)[:, None, None] + np.arange(k2)[None, :, None] + np.arange(k3)[None, None, :]
+    kmax = sum(s - 1 for s in sizes)
+    best_key, best = -1, (0, 0, 0, 0)
+    for c0 in range(sizes[0]):
+        sel = valid & (r[:, 0] == c0)
+        if sel.any():
+            for counts, weights in ((acc, None), (uns, unsafe[sel])):
+                h = np.zeros((k1, k2, k3), dtype=np.int64)
+                idx = (r[sel, 1], r[sel, 2], r[sel, 3])
+                np.add.at(h, idx, 1 if weights is None else weights.astype(np.int64))
+                counts += h.cumsum(0).cumsum(1).cumsum(2)
+        feasible = uns <= delta * acc + 1e-9
+        # lexicographic: most accepted, then fewest unsafe, then tightest (smallest rank sum)
+        key = np.where(feasible, (acc * (n + 1) + (n - uns)) * (kmax + 1) + (kmax - c0 - ranks123), -1)
+        flat = int(np.argmax(key))
+        kv = int(key.flat[flat])
+        if kv > best_key:
+            best_key = kv
+            best = (c0, *(int(i) for i in np.unravel_index(flat, key.shape)))
+    tau = Thresholds(**{k: float(cands[i][best[i]]) for i, k in enumerate(DIMENSIONS)})
+    acc_n, uns_n = evaluate(pairs, tau)
+    return tau, acc_n, uns_n
+
+
+def calibrate(pairs: Sequence[CalibrationPair], cfg: CalibrationConfig = CalibrationConfig()) -> CalibrationResult:
+    """Split, select ``tau`` on the selection split, certify it on the certification split."""
+    sel_idx, cert_idx = split_pairs(len(pairs), cfg)
+    sel = [pairs[i] for i in sel_idx]
+    cert = [pairs[i] for i in cert_idx]
+    tau, s_acc, s_uns = select_thresholds(sel, cfg.delta, cfg.max_candidates)
+    c_acc, c_uns = evaluate(cert, tau)
+    bound = clopper_pearson_upper(c_uns, c_acc, cfg.confidence)
+    return CalibrationResult(
+        thresholds=tau,
+        delta=cfg.delta,
+        confidence=cfg.confidence,
+        selection_size=len(sel),
+        selection_accepted=s_acc,
+        selection_unsafe=s_uns,
+        certification_size=len(cert),
+        certification_accepted=c_acc,
+        certification_unsafe=c_uns,
+        certification_bound=bound,
+        certified=bool(c_acc > 0 and bound <= cfg.delta),
+        selection_indices=tuple(int(i) for i in sel_idx),
+        certification_indices=tuple(int(i) for i in cert_idx),
+    )

@@ -1,0 +1,335 @@
+"""The compatibility test (PAPER steps 1 and 5): noun filter, discrepancies, thresholds.
+
+Recall keeps a cached candidate ``j`` for query ``q`` only if their noun sets are identical or differ
+by exactly one substitution (:func:`noun_diff`). The Early Signatures of the two are then compared:
+
+* ``d_context`` = max over shared nouns of CIEDE2000(c_q,o, c_j,o) (0 if no noun is shared);
+* for the substituted pair ``(o_q, o_j)`` only:
+  ``d_size`` = ``|log(A_q / A_j)|``; ``d_shape`` = 1 - Dice of the two tail-frame masks after cropping
+  each to its bounding box and resizing to a common size; ``d_color`` = CIEDE2000(c_q, c_j).
+
+The candidate is compatible iff every applicable ``d_k <= tau_k`` (:func:`compatible`); the first
+compatible candidate in recall order wins (:func:`first_compatible`). A missing noun or an undefined
+colour (empty tail mask) makes the affected discrepancies ``inf``, i.e. incompatible unless that
+threshold is switched off (``inf``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import CarnatorError
+from ..signature.colour import ciede2000
+from ..signature.signature import EarlySignature, NounSignature, normalize_noun
+
+__all__ = [
+    "THRESHOLDS_FORMAT_VERSION",
+    "CompatConfig",
+    "Discrepancies",
+    "NounDiff",
+    "Thresholds",
+    "compatible",
+    "discrepancies",
+    "first_compatible",
+    "noun_diff",
+    "shape_distance",
+]
+
+THRESHOLDS_FORMAT_VERSION = 1
+"""Version of the thresholds JSON file written by :meth:`Thresholds.save`."""
+
+_THRESHOLDS_FORMAT = "carnator-thresholds"
+DIMENSIONS = ("context", "size", "shape", "color")
+
+
+# ---- noun filter ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NounDiff:
+    """How the noun sets of a query and a candidate relate.
+
+    Attributes:
+        shared: canonical nouns present in both, sorted.
+        substituted: ``(query noun, candidate noun)`` when exactly one noun differs, else ``None``.
+    """
+
+    shared: tuple[str, ...]
+    substituted: tuple[str, str] | None = None
+
+
+def noun_diff(nq: Iterable[str], nj: Iterable[str]) -> NounDiff | None:
+    """The noun filter ``|N(q) \\ N(j)| = |N(j) \\ N(q)| <= 1`` (PAPER step 1).
+
+    Nouns are canonicalized (:func:`~carnator.signature.signature.normalize_noun`: whitespace
+    collapsed, lower-cased) and duplicates merged. Returns ``None`` when the filter rejects the pair.
+    """
+    q = {normalize_noun(n) for n in nq} - {""}
+    j = {normalize_noun(n) for n in nj} - {""}
+    only_q, only_j = q - j, j - q
+    if len(only_q) != len(only_j) or len(only_q) > 1:
+        return None
+    shared = tuple(sorted(q & j))
+    if not only_q:
+        return NounDiff(shared=shared, substituted=None)
+    return NounDiff(shared=shared, substituted=(next(iter(only_q)), next(iter(only_j))))
+
+
+# ---- discrepancies --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompatConfig:
+    """Knobs of the discrepancy computation; the paper gives none of these values."""
+
+    area_floor: float = 1e-3
+    """Areas are clamped to at least this fraction of the tail frame before ``|log(A_q / A_j)|``, so
+    that an empty region gives a large but finite ``d_size`` (``|log(1e-3)| = 6.9``, beyond the
+    paper's ``tau_size = 2.17``). Chosen default."""
+    shape_size: int = 16
+    """Both bounding-box crops are resized to ``shape_size x shape_size`` before Dice. Chosen
+    default (the paper says "a common size")."""
+    shape_resample: Literal["area", "nearest"] = "area"
+    """``"area"``: each output cell takes the exact area-weighted coverage of the input cells under
+    it and is set where coverage ``>= shape_threshold``; ``"nearest"``: output cell ``k`` copies
+    input cell ``floor((k + 0.5) * n_in / n_out)``. Chosen default: area."""
+    shape_threshold: float = 0.5
+    """Coverage at or above which an area-resampled cell is inside the mask. Chosen default."""
+
+    def __post_init__(self) -> None:
+        if not self.area_floor > 0.0:
+            raise ValueError(f"CompatConfig: area_floor must be > 0, got {self.area_floor}")
+        if self.shape_size < 1:
+            raise ValueError(f"CompatConfig: shape_size must be >= 1, got {self.shape_size}")
+        if self.shape_resample not in ("area", "nearest"):
+            raise ValueError(f"CompatConfig: shape_resample must be 'area' or 'nearest', got {self.shape_resample!r}")
+        if not 0.0 < self.shape_threshold <= 1.0:
+            raise ValueError(f"CompatConfig: shape_threshold must lie in (0, 1], got {self.shape_threshold}")
+
+
+@dataclass(frozen=True)
+class Discrepancies:
+    """The discrepancies of one (query, candidate) pair.
+
+    ``size``, ``shape`` and ``color`` are ``None`` when not applicable (no substituted noun); a
+    ``None`` dimension passes every threshold. ``inf`` marks an undefined value (missing noun, empty
+    region) and fails every finite threshold.
+    """
+
+    context: float
+    size: float | None = None
+    shape: float | None = None
+    color: float | None = None
+
+    def to_dict(self) -> dict[str, float | None]:
+        """JSON-able dict (``inf`` written as the string ``"inf"``)."""
+        return {k: (None if v is None else ("inf" if math.isinf(v) else float(v))) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Discrepancies:
+        def conv(v: Any) -> float | None:
+            return None if v is None else float(v)
+
+        return cls(context=float(d["context"]), size=conv(d.get("size")), shape=conv(d.get("shape")), color=conv(d.get("color")))
+
+
+def _area_weights(n_in: int, n_out: int) -> np.ndarray:
+    """``(n_out, n_in)`` matrix: the share of output cell k covered by input cell i (rows sum to 1)."""
+    edges_out = np.arange(n_out + 1) * (n_in / n_out)
+    lo = np.maximum(edges_out[:-1, None], np.arange(n_in)[None, :])
+    hi = np.minimum(edges_out[1:, None], np.arange(n_in)[None, :] + 1)
+    return np.clip(hi - lo, 0.0, None) / (n_in / n_out)
+
+
+def _crop_resize(mask: np.ndarray, cfg: CompatConfig) -> np.ndarray:
+    ys, xs = np.nonzero(mask)
+    crop = mask[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]
+    s = cfg.shape_size
+    h, w = crop.shape
+    if cfg.shape_resample == "nearest":
+        rows = np.minimum(((np.arange(s) + 0.5) * h / s).astype(np.int64), h - 1)
+        cols = np.minimum(((np.arange(s) + 0.5) * w / s).astype(np.int64), w - 1)
+        return crop[rows[:, None], cols[None, :]]
+    cover = _area_weights(h, s) @ crop.astype(np.float64) @ _area_weights(w, s).T
+    return cover >= cfg.shape_threshold - 1e-9
+
+
+def shape_distance(mask_q: np.ndarray, mask_j: np.ndarray, cfg: CompatConfig = CompatConfig()) -> float:
+    """``d_shape = 1 - Dice`` of two 2-D masks after cropping each to its bounding box and resizing
+    both to ``cfg.shape_size`` squared.
+
+    The aspect ratio is deliberately discarded (size differences are ``d_size``'s job). Two empty masks
+    give 0, one empty mask gives 1.
+    """
+    a, b = np.asarray(mask_q, dtype=bool), np.asarray(mask_j, dtype=bool)
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"shape_distance expects 2-D masks, got {a.shape} and {b.shape}")
+    ea, eb = not a.any(), not b.any()
+    if ea or eb:
+        return 0.0 if (ea and eb) else 1.0
+    ra, rb = _crop_resize(a, cfg), _crop_resize(b, cfg)
+    denom = int(ra.sum()) + int(rb.sum())
+    if denom == 0:  # both vanished in resampling (cannot happen with threshold <= 0.5 and a full bbox)
+        return 0.0
+    return float(1.0 - 2.0 * np.logical_and(ra, rb).sum() / denom)
+
+
+def _colour_distance(a: NounSignature | None, b: NounSignature | None) -> float:
+    if a is None or b is None or a.lab is None or b.lab is None:
+        return math.inf
+    return float(ciede2000(a.lab, b.lab))
+
+
+def discrepancies(
+    sig_q: EarlySignature, sig_j: EarlySignature, diff: NounDiff, cfg: CompatConfig = CompatConfig()
+) -> Discrepancies:
+    """The discrepancies of query signature ``sig_q`` against candidate signature ``sig_j``.
+
+    ``diff`` is :func:`noun_diff` of the two noun lists (query first).
+    """
+    context = 0.0
+    for noun in diff.shared:
+        context = max(context, _colour_distance(sig_q.get(noun), sig_j.get(noun)))
+    if diff.substituted is None:
+        return Discrepancies(context=context)
+    oq, oj = diff.substituted
+    a, b = sig_q.get(oq), sig_j.get(oj)
+    if a is None or b is None:
+        return Discrepancies(context=context, size=math.inf, shape=math.inf, color=math.inf)
+    size = abs(math.log(max(a.area, cfg.area_floor) / max(b.area, cfg.area_floor)))
+    return Discrepancies(
+        context=context,
+        size=size,
+        shape=shape_distance(a.mask_tail, b.mask_tail, cfg),
+        color=_colour_distance(a, b),
+    )
+
+
+# ---- thresholds -----------------------------------------------------------------------------------
+
+
+def _carnator_version() -> str:
+    import carnator  # local import: carnator/__init__ pulls in the engine, which may import this module
+
+    return str(getattr(carnator, "__version__", "unknown"))
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Thresholds ``tau`` of the compatibility test; ``inf`` switches a dimension off.
+
+    Defaults are the paper's certified thresholds on its setup (PAPER step 5; Wan2.2-TI2V-5B,
+    VidProM): context 1.62, size 2.17, shape 1.00, colour 7.58. They are only meaningful for that
+    model; calibrate (:mod:`carnator.reuse.calibrate`) for any other.
+    """
+
+    context: float = 1.62
+    size: float = 2.17
+    shape: float = 1.00
+    color: float = 7.58
+
+    def __post_init__(self) -> None:
+        for k in DIMENSIONS:
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or math.isnan(v) or v == -math.inf:
+                raise ValueError(f"threshold {k} must be a finite number or +inf (off), got {v!r}")
+
+    def to_dict(self) -> dict[str, float | None]:
+        """JSON-able dict; a switched-off (``inf``) threshold is written as ``null``."""
+        return {k: (None if math.isinf(getattr(self, k)) else float(getattr(self, k))) for k in DIMENSIONS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
+        return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in DIMENSIONS})
+
+    def save(self, path: str | os.PathLike[str], *, model_id: str, meta: Mapping[str, Any] | None = None) -> None:
+        """Write the thresholds as JSON, recording the model identity and the carnator version.
+
+        Args:
+            path: file to write (parent directories are created).
+            model_id: identity of the model the thresholds were calibrated for (e.g. the pipeline's
+                ``name_or_path`` or a weights hash); :meth:`load` refuses files for another model.
+            meta: optional JSON-able extras (calibration summary, delta, alpha, ...).
+        """
+        doc = {
+            "format": _THRESHOLDS_FORMAT,
+            "format_version": THRESHOLDS_FORMAT_VERSION,
+            "model_id": str(model_id),
+            "carnator_version": _carnator_version(),
+            "thresholds": self.to_dict(),
+            "meta": dict(meta or {}),
+        }
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, model_id: str) -> Thresholds:
+        """Read thresholds written by :meth:`save`.
+
+        Raises:
+            CarnatorError: the file is missing or unreadable, is not a thresholds file, has another
+                format version, or was calibrated for a different ``model_id``.
+        """
+        p = Path(path)
+        try:
+            doc = json.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise CarnatorError(f"thresholds file {p} does not exist") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CarnatorError(f"thresholds file {p} is unreadable: {str(e).splitlines()[0]}") from None
+        if not isinstance(doc, dict) or doc.get("format") != _THRESHOLDS_FORMAT:
+            raise CarnatorError(f"{p} is not a carnator thresholds file")
+        if doc.get("format_version") != THRESHOLDS_FORMAT_VERSION:
+            raise CarnatorError(
+                f"thresholds file {p} has format version {doc.get('format_version')!r}; "
+                f"this carnator reads version {THRESHOLDS_FORMAT_VERSION}: recalibrate"
+            )
+        if doc.get("model_id") != str(model_id):
+            raise CarnatorError(
+                f"thresholds file {p} was calibrated for model {doc.get('model_id')!r}, not {str(model_id)!r}: "
+                "recalibrate for this model"
+            )
+        try:
+            return cls.from_dict(doc["thresholds"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CarnatorError(f"thresholds file {p} has invalid thresholds: {e}") from None
+
+
+def compatible(d: Discrepancies, tau: Thresholds) -> bool:
+    """True iff every applicable discrepancy is ``<= `` its threshold (``None`` = not applicable;
+    NaN always fails; an ``inf`` threshold accepts anything, even ``inf``)."""
+    for k in DIMENSIONS:
+        v = getattr(d, k)
+        if v is None:
+            continue
+        if not v <= getattr(tau, k):
+            return False
+    return True
+
+
+def first_compatible(
+    sig_q: EarlySignature,
+    candidates: Iterable[tuple[EarlySignature, NounDiff]],
+    tau: Thresholds,
+    cfg: CompatConfig = CompatConfig(),
+) -> tuple[int, Discrepancies] | None:
+    """The first compatible candidate in the given (recall) order.
+
+    Returns ``(index, discrepancies)`` of the winner, or ``None`` (a miss: generate densely).
+    """
+    for i, (sig_j, diff) in enumerate(candidates):
+        d = discrepancies(sig_q, sig_j, diff, cfg)
+        if compatible(d, tau):
+            return i, d
+    return None

@@ -1,0 +1,358 @@
+"""Known-answer tests for carnator.reuse: noun filter, discrepancies, thresholds, calibration, scope."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import beta, binom
+
+from carnator.errors import CarnatorError
+from carnator.reuse import (
+    CalibrationConfig,
+    CalibrationPair,
+    CompatConfig,
+    Discrepancies,
+    NounDiff,
+    ScopeConfig,
+    Thresholds,
+    blend_weight,
+    calibrate,
+    clopper_pearson_upper,
+    compatible,
+    discrepancies,
+    evaluate,
+    first_compatible,
+    noun_diff,
+    reuse_scope,
+    select_thresholds,
+    shape_distance,
+    smoothstep,
+    split_pairs,
+    upsample_tokens,
+)
+from carnator.reuse.compat import _area_weights
+from carnator.signature import EarlySignature, NounSignature, ciede2000, srgb_to_lab
+
+# ---- noun filter -----------------------------------------------------------------------------------
+
+
+def test_noun_diff_cases():
+    assert noun_diff(["Ball", "grass", "ball"], ["grass", "CUBE"]) == NounDiff(("grass",), ("ball", "cube"))
+    assert noun_diff(["dog", "park"], ["Park", "DOG", "dog"]) == NounDiff(("dog", "park"), None)
+    assert noun_diff([], []) == NounDiff((), None)
+    assert noun_diff(["apple"], ["peach"]) == NounDiff((), ("apple", "peach"))
+    assert noun_diff(["peach", "mountain", "snow"], ["apple", "mountain"]) is None  # 2 vs 1 differ
+    assert noun_diff(["a", "b"], ["a"]) is None  # |N(q)\N(j)| = 1 != 0 = |N(j)\N(q)|
+    assert noun_diff(["a", "b", "c"], ["a", "d", "e"]) is None  # two substitutions
+
+
+# ---- discrepancies ---------------------------------------------------------------------------------
+
+
+def test_area_weights_hand_case():
+    # 3 input cells onto 2 output cells of width 1.5
+    np.testing.assert_allclose(_area_weights(3, 2), [[2 / 3, 1 / 3, 0], [0, 1 / 3, 2 / 3]])
+    np.testing.assert_allclose(_area_weights(2, 4), [[1, 0], [1, 0], [0, 1], [0, 1]])
+
+
+@pytest.mark.parametrize("resample", ["area", "nearest"])
+def test_shape_distance_hand_cases(resample):
+    cfg = CompatConfig(shape_size=16, shape_resample=resample)
+    square = np.zeros((6, 6), bool)
+    square[1:3, 1:3] = True
+    ell = square.copy()
+    ell[2, 2] = False  # 3 of the 2x2 tokens: each token becomes an 8x8 block
+    # Dice = 2 * 192 / (256 + 192) = 6/7
+    assert shape_distance(square, ell, cfg) == pytest.approx(1 / 7)
+    big = np.zeros((8, 8), bool)
+    big[3:7, 2:6] = True  # other size and place, same shape after crop + resize
+    assert shape_distance(square, big, cfg) == 0.0
+    hbar, vbar = np.zeros((5, 5), bool), np.zeros((5, 5), bool)
+    hbar[2, 1:4] = True
+    vbar[1:4, 2] = True
+    assert shape_distance(hbar, vbar, cfg) == 0.0  # aspect ratio is discarded by design
+    assert shape_distance(square, np.zeros((6, 6), bool), cfg) == 1.0
+    assert shape_distance(np.zeros((2, 2), bool), np.zeros((3, 3), bool), cfg) == 0.0
+
+
+def _lab(rgb):
+    return tuple(srgb_to_lab(np.array(rgb, float)))
+
+
+def _ns(noun, mask, lab):
+    m = np.asarray(mask, bool)
+    return NounSignature(noun, m, float(m.mean()), lab)
+
+
+def test_discrepancies_hand_case():
+    red, green, green2 = _lab((1, 0, 0)), _lab((0, 1, 0)), _lab((0.1, 0.9, 0.1))
+    ball = np.zeros((4, 4), bool)
+    ball[:2, :2] = True  # area 1/4
+    cube = np.zeros((4, 4), bool)
+    cube[3, 3] = True  # area 1/16
+    q = EarlySignature({"ball": _ns("ball", ball, red), "grass": _ns("grass", ~ball, green)})
+    j = EarlySignature({"cube": _ns("cube", cube, red), "grass": _ns("grass", ~cube, green2)})
+    diff = noun_diff(["ball", "grass"], ["cube", "grass"])
+    d = discrepancies(q, j, diff)
+    assert d.context == pytest.approx(ciede2000(green, green2))
+    assert d.size == pytest.approx(math.log(4))
+    assert d.shape == 0.0  # both squares
+    assert d.color == 0.0
+    # same nouns: only the context dimension applies
+    d2 = discrepancies(q, q, noun_diff(["ball", "grass"], ["grass", "ball"]))
+    assert d2 == Discrepancies(context=0.0)
+    # no shared noun -> context 0
+    assert discrepancies(q, j, NounDiff((), ("ball", "cube"))).context == 0.0
+
+
+def test_discrepancies_missing_noun_empty_region_and_area_floor():
+    red = _lab((1, 0, 0))
+    tiny = np.zeros((10, 10), bool)
+    tiny[0, 0] = True  # area 0.01
+    q = EarlySignature({"ball": _ns("ball", np.zeros((10, 10), bool), None), "sky": _ns("sky", tiny, red)})
+    j = EarlySignature({"cube": _ns("cube", tiny, red), "sky": _ns("sky", tiny, None)})
+    d = discrepancies(q, j, NounDiff(("sky",), ("ball", "cube")))
+    assert d.size == pytest.approx(math.log(10))  # |log(1e-3 / 1e-2)| with the default floor
+    assert d.shape == 1.0 and d.color == math.inf and d.context == math.inf
+    d = discrepancies(q, j, NounDiff((), ("horse", "cube")))
+    assert (d.size, d.shape, d.color) == (math.inf, math.inf, math.inf)
+    assert discrepancies(q, j, NounDiff((), ("ball", "cube")), CompatConfig(area_floor=0.1)).size == 0.0
+
+
+def test_compatible_rules():
+    tau = Thresholds()
+    assert (tau.context, tau.size, tau.shape, tau.color) == (1.62, 2.17, 1.00, 7.58)
+    assert compatible(Discrepancies(1.62, 2.17, 1.0, 7.58), tau)
+    assert not compatible(Discrepancies(1.63), tau)
+    assert compatible(Discrepancies(0.5, None, None, None), tau)
+    assert not compatible(Discrepancies(0.5, 0.1, 0.1, 7.59), tau)
+    assert not compatible(Discrepancies(0.5, math.nan, 0.1, 1.0), tau)
+    assert compatible(Discrepancies(0.5, 0.1, 0.1, math.inf), Thresholds(color=math.inf))
+    with pytest.raises(ValueError):
+        Thresholds(size=math.nan)
+
+
+def test_first_compatible_in_recall_order():
+    red, blue = _lab((1, 0, 0)), _lab((0, 0, 1))
+    m = np.eye(4, dtype=bool)
+    q = EarlySignature({"ball": _ns("ball", m, red)})
+    far = EarlySignature({"cube": _ns("cube", m, blue)})
+    near = EarlySignature({"cube": _ns("cube", m, red)})
+    same = EarlySignature({"ball": _ns("ball", m, red)})
+    cands = [(far, noun_diff(["ball"], ["cube"])), (near, noun_diff(["ball"], ["cube"])), (same, noun_diff(["ball"], ["ball"]))]
+    hit = first_compatible(q, cands, Thresholds())
+    assert hit is not None and hit[0] == 1 and hit[1].color == 0.0
+    assert first_compatible(q, cands[:1], Thresholds()) is None
+
+
+def test_thresholds_save_load(tmp_path):
+    tau = Thresholds(context=1.5, size=math.inf, shape=0.3, color=6.0)
+    p = tmp_path / "sub" / "tau.json"
+    tau.save(p, model_id="wan2.1-1.3b", meta={"delta": 0.05})
+    doc = json.loads(p.read_text())
+    assert doc["model_id"] == "wan2.1-1.3b" and doc["format_version"] == 1
+    assert doc["carnator_version"] and doc["thresholds"]["size"] is None and doc["meta"] == {"delta": 0.05}
+    assert Thresholds.load(p, model_id="wan2.1-1.3b") == tau
+
+    with pytest.raises(CarnatorError) as e:
+        Thresholds.load(p, model_id="ltx-13b")
+    msg = str(e.value)
+    assert "wan2.1-1.3b" in msg and "ltx-13b" in msg and "\n" not in msg
+
+    doc["format_version"] = 2
+    p.write_text(json.dumps(doc))
+    with pytest.raises(CarnatorError, match="format version") as e:
+        Thresholds.load(p, model_id="wan2.1-1.3b")
+    assert "\n" not in str(e.value)
+    with pytest.raises(CarnatorError, match="does not exist"):
+        Thresholds.load(tmp_path / "nope.json", model_id="x")
+    p.write_text("{not json")
+    with pytest.raises(CarnatorError, match="unreadable"):
+        Thresholds.load(p, model_id="x")
+
+
+# ---- calibration -----------------------------------------------------------------------------------
+
+
+def test_clopper_pearson_paper_case():
+    ub = clopper_pearson_upper(0, 50, 0.90)
+    assert ub == pytest.approx(1 - 0.1 ** (1 / 50), abs=1e-12)
+    assert round(100 * ub, 2) == 4.50
+
+
+@pytest.mark.parametrize("k, n", [(0, 10), (1, 10), (3, 70), (5, 100), (2, 30), (9, 10)])
+def test_clopper_pearson_matches_definition(k, n):
+    conf = 0.9
+    ub = clopper_pearson_upper(k, n, conf)
+    assert ub == pytest.approx(beta.ppf(conf, k + 1, n - k), rel=1e-12)
+    # defining property, checked with the binomial CDF (independent of the beta quantile)
+    assert binom.cdf(k, n, ub) == pytest.approx(1 - conf, abs=1e-9)
+    if k == 0:
+        assert ub == pytest.approx(1 - (1 - conf) ** (1 / n))
+    if k == n - 1:
+        assert ub == pytest.approx(conf ** (1 / n))
+    assert clopper_pearson_upper(n, n, conf) == 1.0
+    assert clopper_pearson_upper(0, 0, conf) == 1.0
+
+
+def _ctx_pairs(values, unsafe_values=()):
+    return [CalibrationPair(Discrepancies(context=v), acceptable=v not in unsafe_values) for v in values]
+
+
+def test_select_thresholds_one_dimension_known_optimum():
+    vals = [round(0.1 * i, 1) for i in range(1, 11)]
+    pairs = _ctx_pairs(vals, unsafe_values=(0.8, 1.0))
+    tau, acc, uns = select_thresholds(pairs, delta=0.0)
+    assert (tau.context, acc, uns) == (0.7, 7, 0)
+    tau, acc, uns = select_thresholds(pairs, delta=0.15)  # 1 of 9 = 11 % is allowed, 2 of 10 is not
+    assert (tau.context, acc, uns) == (0.9, 9, 1)
+    # no pair had a substituted noun: the search keeps those dimensions at "reject" (below all values)
+    assert tau.size < 0 and tau.shape < 0 and tau.color < 0
+
+
+def test_select_thresholds_colour_separates():
+    safe = [CalibrationPair(Discrepancies(0.5, 0.5, 0.2, c), True) for c in (1.0, 2.0, 3.0, 4.0)]
+    bad = [CalibrationPair(Discrepancies(0.5, 0.5, 0.2, c), False) for c in (10.0, 12.0)]
+    tau, acc, uns = select_thresholds(safe + bad, delta=0.0)
+    assert (acc, uns) == (4, 0)
+    assert (tau.context, tau.size, tau.shape, tau.color) == (0.5, 0.5, 0.2, 4.0)  # tightest that accepts all safe
+    tau, acc, uns = select_thresholds(safe + bad, delta=0.5)
+    assert (acc, uns, tau.color) == (6, 2, 12.0)
+
+
+def test_select_thresholds_matches_brute_force():
+    rng = np.random.default_rng(7)
+    for trial in range(3):
+        n = 8
+        pairs = []
+        for _ in range(n):
+            sub = rng.random() < 0.7
+            d = Discrepancies(
+                context=float(rng.integers(0, 4)),
+                size=float(rng.integers(0, 3)) if sub else None,
+                shape=round(float(rng.random()), 1) if sub else None,
+                color=float(rng.integers(0, 5)) if sub else None,
+            )
+            pairs.append(CalibrationPair(d, acceptable=bool(rng.random() < 0.6)))
+        for delta in (0.0, 0.2):
+            tau, acc, uns = select_thresholds(pairs, delta)
+            vals = np.array([[-np.inf if v is None else v for v in (p.d.context, p.d.size, p.d.shape, p.d.color)] for p in pairs])
+            bad = np.array([not p.acceptable for p in pairs])
+            grids = [sorted({v for v in vals[:, k] if np.isfinite(v)} | {-1.0, np.inf}) for k in range(4)]
+            combos = np.array(list(itertools.product(*grids)))
+            ok = np.all(vals[None, :, :] <= combos[:, None, :], axis=2)
+            a, u = ok.sum(1), (ok & bad).sum(1)
+            feas = u <= delta * a + 1e-9
+            best_a = a[feas].max()
+            assert acc == best_a, (trial, delta)
+            assert uns == u[feas & (a == best_a)].min()
+            assert evaluate(pairs, tau) == (acc, uns)
+
+
+def test_split_pairs_deterministic_disjoint():
+    sel, cert = split_pairs(100)
+    assert len(sel) == 30 and len(cert) == 70
+    assert not set(sel) & set(cert) and set(sel) | set(cert) == set(range(100))
+    sel2, cert2 = split_pairs(100)
+    np.testing.assert_array_equal(sel, sel2)
+    np.testing.assert_array_equal(cert, cert2)
+    s, c = split_pairs(10, CalibrationConfig(split_seed=None, n_selection=3))
+    assert list(s) == [0, 1, 2] and list(c) == list(range(3, 10))
+    with pytest.raises(ValueError):
+        split_pairs(10, CalibrationConfig(n_selection=10))
+
+
+def test_calibrate_reproduces_paper_certificate():
+    # selection (first 30): 25 safe pairs with context <= 1.0, 5 unsafe at 3.0
+    sel = _ctx_pairs([0.04 * i for i in range(1, 26)]) + _ctx_pairs([3.0] * 5, unsafe_values=(3.0,))
+    # certification (70): 50 safe within the selected threshold, 20 unsafe far beyond it
+    cert = _ctx_pairs([0.02 * i for i in range(1, 51)]) + _ctx_pairs([5.0] * 20, unsafe_values=(5.0,))
+    res = calibrate(sel + cert, CalibrationConfig(n_selection=30, split_seed=None))
+    assert res.thresholds.context == pytest.approx(1.0)
+    assert (res.selection_accepted, res.selection_unsafe) == (25, 0)
+    assert res.selection_coverage == pytest.approx(25 / 30)
+    assert (res.certification_size, res.certification_accepted, res.certification_unsafe) == (70, 50, 0)
+    assert res.certification_bound == pytest.approx(0.045007, abs=1e-6)
+    assert res.certified
+    assert json.loads(json.dumps(res.to_dict()))["certified"] is True
+    # one unsafe acceptance in certification breaks the certificate (bound 7.6 % > 5 %)
+    cert[0] = CalibrationPair(cert[0].d, acceptable=False)
+    res = calibrate(sel + cert, CalibrationConfig(n_selection=30, split_seed=None))
+    assert res.certification_unsafe == 1 and not res.certified
+    assert res.certification_bound == pytest.approx(clopper_pearson_upper(1, 50, 0.9))
+
+
+# ---- reuse scope and blend weights -----------------------------------------------------------------
+
+
+def _single(grid, t, y, x):
+    m = np.zeros(grid, bool)
+    m[t, y, x] = True
+    return m
+
+
+def test_smoothstep():
+    np.testing.assert_allclose(smoothstep([-1, 0, 0.5, 1, 2]), [0, 0, 0.5, 1, 1])
+    assert smoothstep(1 / 3) == pytest.approx(7 / 27)
+
+
+def test_scope_single_token_9x9():
+    ev = _single((1, 9, 9), 0, 4, 4)
+    sc = reuse_scope(ev)
+    expected_active = np.zeros((1, 9, 9), bool)
+    expected_active[0, 2:7, 2:7] = True  # the 5x5 square
+    np.testing.assert_array_equal(sc.evidence, ev)
+    np.testing.assert_array_equal(sc.active, expected_active)
+    assert sc.context.all()  # 11x11 clipped to the 9x9 grid
+    w = sc.weight[0]
+    assert w[4, 4] == 1.0
+    ring1 = np.zeros((9, 9), bool)
+    ring1[3:6, 3:6] = True
+    ring1[4, 4] = False
+    np.testing.assert_allclose(w[ring1], 0.5)  # d = 1: 1 - smoothstep(1/2)
+    np.testing.assert_allclose(w[expected_active[0] & ~ring1 & ~ev[0]], 0.0)  # d = 2: 1 - smoothstep(1)
+    assert w[~expected_active[0]].max() == 0.0
+    assert sc.active_fraction == pytest.approx(25 / 81)
+
+
+def test_scope_context_extent_and_border_clipping():
+    sc = reuse_scope(_single((1, 15, 15), 0, 7, 7))
+    ys, xs = np.nonzero(sc.context[0])
+    assert (ys.min(), ys.max(), xs.min(), xs.max()) == (2, 12, 2, 12) and sc.context.sum() == 121
+    sc = reuse_scope(_single((1, 9, 9), 0, 0, 0))
+    np.testing.assert_array_equal(np.argwhere(sc.active[0]).max(0), [2, 2])
+    assert sc.active.sum() == 9 and sc.context.sum() == 36  # [0:3, 0:3] and [0:6, 0:6]
+
+
+def test_scope_band_width_three_and_per_frame():
+    ev = _single((2, 9, 9), 0, 4, 4)
+    sc = reuse_scope(ev, ScopeConfig(band_width=3))
+    assert sc.weight[0, 4, 5] == pytest.approx(20 / 27)
+    assert sc.weight[0, 4, 6] == pytest.approx(7 / 27)
+    assert sc.weight[0, 4, 7] == 0.0
+    assert not sc.active[1].any() and not sc.context[1].any() and sc.weight[1].max() == 0.0  # no temporal spread
+
+
+def test_scope_union_over_nouns():
+    grid = (1, 12, 12)
+    a = _single(grid, 0, 2, 2)
+    b = np.zeros(grid, bool)
+    b[0, 7:9, 7:10] = True
+    sc = reuse_scope({"ball": a, "cube": b})
+    union = reuse_scope(a | b)
+    for f in ("evidence", "active", "context", "weight"):
+        np.testing.assert_array_equal(getattr(sc, f), getattr(union, f))
+    np.testing.assert_array_equal(sc.weight, np.maximum(blend_weight(a), blend_weight(b)))
+    assert np.all(sc.evidence <= sc.active) and np.all(sc.active <= sc.context)
+    assert np.all((sc.weight > 0) <= sc.active) and np.all(sc.weight[sc.evidence] == 1.0)
+
+
+def test_upsample_tokens():
+    w = np.arange(8, dtype=np.float32).reshape(2, 2, 2)
+    up = upsample_tokens(w, (1, 2, 2))
+    assert up.shape == (2, 4, 4)
+    np.testing.assert_array_equal(up[1], np.kron(w[1], np.ones((2, 2))))
