@@ -85,6 +85,42 @@ class BackboneAdapter(ABC):
 
     def __init__(self, pipe):
         self.pipe = pipe
+        self._controller = None
+
+    # ---- attention (probe evidence, sparse connectivity, active-token window) ------------------
+    supports_attention: ClassVar[bool] = False
+
+    def attention(self):
+        """The request-scoped :class:`~carnator.attention.controller.AttentionController`, installing
+        carnator's attention processors on first use. Families without processors raise."""
+        if not self.supports_attention:
+            raise NotImplementedError(f"carnator's attention processors are not available for {self.family} yet")
+        if self._controller is None:
+            from ..attention.controller import AttentionController
+
+            self._controller = AttentionController()
+            self.install_attention(self._controller)
+        return self._controller
+
+    def install_attention(self, controller) -> None:
+        raise NotImplementedError
+
+    def _branches(self, branches: tuple[int, ...], step: int) -> None:
+        if self._controller is not None:
+            self._controller.branches = branches
+            self._controller.step = step
+
+    def num_layers(self) -> int:
+        return len(self.transformer.blocks)
+
+    def predicted_x0(self, latents: torch.Tensor, noise_pred: torch.Tensor, step: int) -> torch.Tensor:
+        """The clean-latent estimate at ``step`` (flow matching: x0 = x_t - sigma_t * v)."""
+        sigma = self.pipe.scheduler.sigmas[step].to(latents.device, torch.float32)
+        return latents.float() - sigma * noise_pred.float()
+
+    def decode_tail(self, latents: torch.Tensor, req: Request) -> np.ndarray:
+        """Last frame (H, W, 3) float in [0, 1] of a decode of ``latents``."""
+        return self.decode(latents, req)[-1]
 
     # ---- identity and settings -------------------------------------------------------------
     @property

@@ -87,6 +87,7 @@ class EmbeddedAdapter(WanAdapter):
         tr = self.transformer
         x = latents.to(tr.dtype)
         with torch.no_grad():
+            self._branches((0, 1) if cond.do_cfg else (0,), step)
             if cond.do_cfg:
                 xb = x.expand(2, *x.shape[1:])
                 tb = t.expand(2)
@@ -99,6 +100,10 @@ class EmbeddedAdapter(WanAdapter):
     def decode_tensor(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> pixels (B, 3, T, H, W) in [0, 1] (clamped)."""
         return self.pipe.vae.decode(latents.float()).clamp(0, 1)
+
+    def decode_tail(self, latents: torch.Tensor, req: Request) -> np.ndarray:
+        with torch.no_grad():
+            return self.decode_tensor(latents[:, :, -1:])[0, :, 0].permute(1, 2, 0).cpu().numpy().astype(np.float32)
 
     def decode(self, latents: torch.Tensor, req: Request) -> np.ndarray:
         with torch.no_grad():

@@ -15,6 +15,12 @@ class WanAdapter(BackboneAdapter):
     family = "wan"
     pipeline_classes = ("WanPipeline",)
     max_sequence_length = 512
+    supports_attention = True
+
+    def install_attention(self, controller) -> None:
+        from .wan_attention import apply_carnator_attention
+
+        apply_carnator_attention(self.transformer, controller)
 
     def defaults(self) -> GenerationDefaults:
         # WanPipeline.__call__ defaults.
@@ -96,8 +102,10 @@ class WanAdapter(BackboneAdapter):
         else:
             timestep = t.expand(latents.shape[0])
         with torch.no_grad():
+            self._branches((0,), step)
             out = tr(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.data["cond"], return_dict=False)[0]
             if cond.do_cfg:
+                self._branches((1,), step)
                 unc = tr(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.data["uncond"], return_dict=False)[0]
                 out = unc + req.guidance_scale * (out - unc)
         return out

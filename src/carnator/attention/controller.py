@@ -1,0 +1,126 @@
+"""What the attention processors of one request record and apply (model-agnostic bookkeeping).
+
+Adapters install processors that consult one :class:`AttentionController`. The engine and
+policies set its fields; the processors read them. Nothing here knows a model family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .blockmask import BlockMaskSet, estimate_block_mass, topp_block_mask
+
+
+@dataclass
+class SparseConfig:
+    """Sparse-connectivity capture (PAPER step 9; block size and mass fraction are not given).
+
+    block: tokens per block (queries and keys). 128 is the FlexAttention tile on CUDA; the
+        embedded model (512 tokens) uses 32 so a mask has 16 x 16 blocks.
+    p: fraction of each query block's attention mass its kept key blocks must cover.
+    steps: which denoising steps are captured ("all", or a list); layers: which layers (None = all).
+    Block mass is estimated from mean-pooled Q and K blocks (:func:`estimate_block_mass`), which
+    costs (N / block)^2 per head instead of a dense pass.
+    """
+
+    block: int = 128
+    p: float = 0.9
+    steps: str | list[int] = "all"
+    layers: list[int] | None = None
+
+
+@dataclass
+class EvidenceRecord:
+    """Attention evidence from one probe forward at the probe layer (cond branch only).
+
+    cross: (heads, N, n_positions) cross-attention probabilities of visual tokens to the recorded
+        text positions; q, k: (heads, N, d) self-attention queries/keys (after norm and RoPE);
+        lse: (heads, N) log-sum-exp of each self-attention row, so any column is exp(q.k*s - lse).
+    """
+
+    positions: list[int]
+    cross: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    scale: float = 1.0
+
+    def self_attention_columns(self, cols) -> torch.Tensor:
+        """A_h[i, u] for u in ``cols``: (heads, N, len(cols)), float32, without building N x N."""
+        idx = torch.as_tensor(list(cols), dtype=torch.long, device=self.k.device)
+        logits = torch.einsum("hnd,hmd->hnm", self.q.float(), self.k[:, idx].float()) * self.scale
+        return torch.exp(logits - self.lse[..., None])
+
+
+@dataclass
+class WindowPlan:
+    """Region-guided recomputation in a window of middle layers: only ``active`` token indices are
+    recomputed there, attending to ``context`` token indices (both sorted 1-D LongTensors)."""
+
+    layers: range
+    active: torch.Tensor
+    context: torch.Tensor
+
+
+@dataclass
+class AttentionController:
+    """Shared per-request state of the processors."""
+
+    step: int = 0
+    #: CFG branch of each batch row of the current forward (0 = cond, 1 = uncond)
+    branches: tuple[int, ...] = (0,)
+    # -- recording evidence (probe) --
+    record_step: int | None = None
+    record_layer: int | None = None
+    record_positions: list[int] = field(default_factory=list)
+    evidence: EvidenceRecord | None = None
+    # -- capturing connectivity --
+    sparse: SparseConfig | None = None
+    captured: BlockMaskSet | None = None
+    # -- applying a reuse plan --
+    masks: BlockMaskSet | None = None
+    window: WindowPlan | None = None
+    lse_chunk: int = 1024
+
+    def reset(self) -> None:
+        self.step, self.branches = 0, (0,)
+        self.record_step = self.record_layer = None
+        self.record_positions = []
+        self.evidence = None
+        self.captured = None
+        self.masks = None
+        self.window = None
+
+    # ---- decisions the processors ask for ------------------------------------------------------
+    def recording(self, layer: int) -> bool:
+        return self.record_step is not None and self.step == self.record_step and layer == self.record_layer and 0 in self.branches
+
+    def capturing(self, layer: int) -> bool:
+        s = self.sparse
+        if s is None:
+            return False
+        if s.layers is not None and layer not in s.layers:
+            return False
+        return s.steps == "all" or self.step in s.steps
+
+    def capture(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Record the top-p block mask of every batch row; q, k: (B, H, N, d)."""
+        s = self.sparse
+        mass = estimate_block_mass(q, k, s.block)
+        mask = topp_block_mask(mass, s.p)
+        if self.captured is None:
+            self.captured = BlockMaskSet.empty(num_heads=q.shape[1], q_len=q.shape[2], kv_len=k.shape[2], block=s.block)
+        for b, br in enumerate(self.branches):
+            self.captured.add(self.step, br, layer, mask[b])
+
+    def cached_mask(self, layer: int, device) -> torch.Tensor | None:
+        """The reuse plan's block mask for this forward, (B, H, nq, nk), or None to run dense."""
+        m = self.masks
+        if m is None or any((self.step, br, layer) not in m for br in self.branches):
+            return None
+        return torch.stack([m.get(self.step, br, layer, device=device) for br in self.branches])
+
+    def in_window(self, layer: int) -> bool:
+        return self.window is not None and layer in self.window.layers
