@@ -24,39 +24,73 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
 def _engine(args):
     from .engine import Carnator
 
+    if not args.verbose:  # loading bars from diffusers/transformers would bury carnator's own output
+        import diffusers
+        import transformers
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
     return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device)
 
 
 def cmd_generate(args) -> int:
-    from tqdm import tqdm
-
     from .video import write_video
 
     out = Path(args.out)
     if out.suffix.lower() not in (".mp4", ".gif"):
         raise CarnatorError(f"--out must end in .mp4 or .gif, got {out.name!r}")
+    if out.is_dir():
+        raise CarnatorError(f"--out {str(out)!r} is a directory")
     eng = _engine(args)
-    bar = tqdm(total=None, desc="denoising", unit="step", disable=args.quiet, leave=False)
+    bar = None
 
     def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
+        nonlocal bar
+        if bar is None:  # created on the first step, so nothing is drawn for an exact hit or an invalid request
+            from tqdm import tqdm
 
-    res = eng.generate(
-        args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
-        num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
-        guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, progress=progress,
-    )
-    bar.close()
-    write_video(res.frames, out, fps=args.fps)
+            # disable=None: no bar when stderr is not a terminal (logs, pipes, CI)
+            bar = tqdm(total=total, desc="denoising", unit="step", disable=True if args.quiet else None, leave=False)
+        bar.update(done - bar.n)
+
+    try:
+        res = eng.generate(
+            args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
+            num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
+            guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, progress=progress,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    try:
+        write_video(res.frames, out, fps=args.fps)
+    except OSError as e:
+        raise CarnatorError(f"cannot write {out}: {e.strerror or e}") from e
     s = res.stats
     summary = {
-        "out": str(out), "frames": list(res.frames.shape), "hit": s.hit, "exact_hit": s.exact_hit,
-        "source_id": s.source_id, "resume_step": s.resume_step, "entry_id": s.entry_id,
+        "out": str(out), "frames": list(res.frames.shape), "policy": s.policy, "hit": s.hit, "exact_hit": s.exact_hit,
+        "source_id": s.source_id, "resume_step": s.resume_step, "entry_id": s.entry_id, "dit_forwards": s.dit_forwards,
         "seconds": {k: round(v, 4) for k, v in s.timings.items()},
     }
-    print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
+    if s.notes:
+        summary["notes"] = s.notes
+    if args.json:
+        print(json.dumps(summary, default=str))
+    else:
+        for k, v in summary.items():
+            if isinstance(v, dict):
+                v = "  ".join(f"{kk}={vv}" for kk, vv in v.items())
+            print(f"{k}: {v}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    eng = _engine(args)
+    rows = run_demo(eng, Path(args.out), policy=args.policy, steps=args.steps)
+    hits = sum(r["hit"] for r in rows)
+    print(f"{hits}/{len(rows)} requests reused cached work; clips and index.html in {args.out}")
     return 0
 
 
@@ -67,20 +101,31 @@ def _bank(args):
 
 
 def cmd_cache(args) -> int:
-    bank = _bank(args)
-    if args.action == "ls":
-        rows = bank.entries(tenant=args.tenant)
-        for e in rows:
-            print(f"{e.id}  {e.tenant:<10} {e.nbytes:>10d} B  uses={e.use_count:<3d} seed={e.seed:<6d} {e.prompt[:60]!r}")
-        print(f"{len(rows)} entries")
-    elif args.action == "stats":
-        print(json.dumps(bank.stats(), indent=1, default=str))
-    elif args.action == "verify":
-        report = bank.verify()
-        print(json.dumps(report if isinstance(report, dict) else getattr(report, "__dict__", str(report)), indent=1, default=str))
-    elif args.action == "clear":
-        n = bank.clear(tenant=args.tenant)
-        print(f"cleared {n} entries" if isinstance(n, int) else "cleared")
+    with _bank(args) as bank:
+        if args.action == "ls":
+            rows = bank.entries(tenant=args.tenant)
+            for e in rows:
+                seed = "-" if e.seed is None else e.seed
+                print(f"{e.id}  {e.tenant:<10} {e.nbytes:>10d} B  uses={e.use_count:<3d} seed={seed!s:<6} {e.prompt[:60]!r}")
+            print(f"{len(rows)} entries in {bank.root}")
+        elif args.action == "stats":
+            st = bank.stats()
+            cap = "unbounded" if st.capacity_bytes is None else f"{st.capacity_bytes} B"
+            print(f"cache: {bank.root}")
+            print(f"entries: {st.count}  bytes: {st.bytes}  capacity: {cap}")
+            for tenant, ts in sorted(st.tenants.items()):
+                print(f"  tenant {tenant}: {ts.count} entries, {ts.bytes} B")
+        elif args.action == "verify":
+            rep = bank.verify()
+            print(f"cache: {bank.root}")
+            print(f"checked: {rep.checked}  quarantined: {len(rep.quarantined)}  missing: {len(rep.missing)}  orphans removed: {len(rep.orphans_removed)}")
+            for label, ids in (("quarantined", rep.quarantined), ("missing", rep.missing), ("orphan removed", rep.orphans_removed)):
+                for i in ids:
+                    print(f"  {label}: {i}")
+            print("ok" if rep.ok else "repaired")
+        elif args.action == "clear":
+            n = bank.clear(tenant=args.tenant)
+            print(f"cleared {n} entries" + (f" of tenant {args.tenant}" if args.tenant else ""))
     return 0
 
 
@@ -93,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     _add_gen_args(g)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--policy", default="dense")
+    g.add_argument("--policy", default="carnator")
     g.add_argument("--negative-prompt", default=None)
     g.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     g.add_argument("--frames", type=int, default=None)
@@ -107,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="a short stream of related requests through the carnator policy")
+    _add_gen_args(d)
+    d.add_argument("--policy", default="carnator")
+    d.add_argument("--steps", type=int, default=None)
+    d.add_argument("--out", default="carnator-demo", help="output folder (clips, demo.json, index.html)")
+    d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("cache", help="inspect or manage the cache")
     c.add_argument("action", choices=["ls", "stats", "verify", "clear"])

@@ -29,6 +29,9 @@ class DenoiseState:
     trajectory: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> post-scheduler latent (CPU, float32)
     dit_forwards: int = 0
     dit_seconds: float = 0.0
+    #: input latent and guided prediction of the last step run (a probe reads its x0 estimate)
+    last_input: torch.Tensor | None = None
+    last_prediction: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -93,6 +96,7 @@ def run_steps(
         _sync(state.latents.device)
         state.dit_seconds += time.perf_counter() - t0
         state.dit_forwards += 2 if cond.do_cfg else 1
+        state.last_input, state.last_prediction = state.latents, noise_pred
         state.latents = adapter.step(noise_pred, t, state.latents, state.generator)
         if hooks and hooks.after_step:
             new = hooks.after_step(i, state)

@@ -90,6 +90,7 @@ class AttentionController:
         self.record_positions = []
         self.evidence = None
         self.captured = None
+        self.sparse = None
         self.masks = None
         self.window = None
 

@@ -43,6 +43,10 @@ class Policy(ABC):
     @abstractmethod
     def plan(self, ctx: "RequestContext") -> Plan: ...
 
+    def entry_tensors(self, ctx: "RequestContext") -> dict[str, torch.Tensor]:
+        """Tensors recorded while the request ran (e.g. attention masks) to store with its entry."""
+        return {}
+
 
 _POLICIES: dict[str, type[Policy]] = {}
 

@@ -1,0 +1,240 @@
+"""``carnator``: compatibility-guided cross-request reuse (PAPER steps 1-10).
+
+recall (text index + noun filter) -> dense probe of the first steps, recording attention evidence
+-> Evidence Regions + Early Signature -> compatibility test against the recalled entries ->
+ReusePlan: resume from the winner's latent, blend outside the target region, recompute only
+Active tokens in the middle layers, and attend only where the winner's block masks allow.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..attention.blockmask import BlockMaskSet
+from ..attention.controller import SparseConfig, WindowPlan
+from ..denoise import StepHooks
+from ..reuse import CompatConfig, ScopeConfig, Thresholds, compatible, discrepancies, noun_diff, reuse_scope, upsample_tokens
+from ..signature import EarlySignature, RegionConfig, early_signature, evidence_region, select_seeds
+from ..signature.nouns import extract_nouns
+from .base import Plan, Policy, register_policy
+
+log = logging.getLogger("carnator")
+
+MASK_PREFIX = "attn."
+EVIDENCE_PREFIX = "evidence."
+
+
+@dataclass
+class CarnatorConfig:
+    """Every knob of the method. Paper values are marked; others are chosen defaults (docs/METHOD.md).
+
+    top_k: recalled candidates (paper: 10). probe_steps: dense probe steps (paper: 4).
+    probe_layer: layer whose attention is read (paper: not given; None = the middle layer).
+    resume_step: first step taken from the cached trajectory (paper: not given).
+    window: fraction of layers [start, end) where only Active tokens are recomputed (paper: 6..25 of
+        30 layers is the knee, i.e. (0.2, 0.867)).
+    reuse_masks: attend only where the source's block masks allow (PAPER step 9).
+    thresholds: a threshold file from ``carnator calibrate``; None = the shipped file for the
+        embedded model if it matches, else the paper's tau.
+    """
+
+    top_k: int = 10
+    probe_steps: int = 4
+    probe_layer: int | None = None
+    resume_step: int = 20
+    window: tuple[float, float] = (0.2, 0.867)
+    reuse_masks: bool = True
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    region: RegionConfig = field(default_factory=RegionConfig)
+    scope: ScopeConfig = field(default_factory=ScopeConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
+    thresholds: str | None = None
+
+
+@register_policy
+class CarnatorPolicy(Policy):
+    name = "carnator"
+
+    def __init__(self, config: CarnatorConfig | None = None, **overrides):
+        self.cfg = config or CarnatorConfig(**overrides)
+        self._tau: Thresholds | None = None
+
+    # ---- thresholds -----------------------------------------------------------------------------
+    def thresholds(self, engine) -> Thresholds:
+        if self._tau is None:
+            path = self.cfg.thresholds
+            if path is None:
+                shipped = Path(__file__).resolve().parent.parent / "embedded" / "thresholds.json"
+                if engine.adapter.family == "embedded" and shipped.exists():
+                    path = str(shipped)
+            self._tau = Thresholds.load(path, model_id=engine.model_identity) if path else Thresholds()
+        return self._tau
+
+    # ---- the stages -------------------------------------------------------------------------------
+    def recall(self, ctx, nouns: list[str]):
+        """Top-K by recall embedding within the request's key and tenant, then the noun filter."""
+        req = ctx.request
+        hits = ctx.bank.recall(req.tenant, ctx.compat_key, ctx.embedding(), k=self.cfg.top_k)
+        out = []
+        for meta, score in hits:
+            diff = noun_diff(nouns, meta.extra.get("nouns", []))
+            if diff is not None and "signature" in meta.extra:
+                out.append((meta, score, diff))
+        return out
+
+    def probe(self, ctx, nouns: list[str]):
+        """Run the first steps densely, recording evidence at the last probe step."""
+        ad, req = ctx.adapter, ctx.request
+        ctrl = ad.attention()
+        positions = {n: ad.word_token_positions(req.prompt, n) for n in nouns}
+        ctrl.record_positions = sorted({p for ps in positions.values() for p in ps})
+        ctrl.record_step = self.cfg.probe_steps - 1
+        ctrl.record_layer = self.cfg.probe_layer if self.cfg.probe_layer is not None else ad.num_layers() // 2
+        ctx.run_steps(self.cfg.probe_steps)
+        ctrl.record_step = None
+        return positions, ctrl.evidence
+
+    def signature(self, ctx, positions: dict[str, list[int]], ev) -> tuple[EarlySignature, dict[str, np.ndarray]]:
+        ad, req, st = ctx.adapter, ctx.request, ctx.state
+        grid = ad.token_grid(req)
+        regions = {}
+        for noun, pos in positions.items():
+            if not pos or ev is None or ev.cross is None:
+                regions[noun] = np.zeros(grid, dtype=bool)
+                continue
+            cols = [ev.positions.index(p) for p in pos]
+            C = ev.cross[:, :, cols].float().mean(dim=(0, 2)).cpu().numpy()
+            seeds = select_seeds(C, grid, self.cfg.region)
+            reg = evidence_region(C, lambda idx: ev.self_attention_columns(idx).cpu().numpy(), seeds, grid, self.cfg.region)
+            regions[noun] = reg.mask
+        x0 = ad.predicted_x0(st.last_input, st.last_prediction, self.cfg.probe_steps - 1)
+        tail = ad.decode_tail(x0, req)
+        return early_signature(regions, tail), regions
+
+    def decide(self, ctx, sig: EarlySignature, candidates):
+        tau = self.thresholds(ctx.engine)
+        for meta, score, diff in candidates:
+            try:
+                sig_j = EarlySignature.from_dict(meta.extra["signature"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            d = discrepancies(sig, sig_j, diff, self.cfg.compat)
+            if compatible(d, tau):
+                return meta, diff, d
+        return None
+
+    # ---- plan ---------------------------------------------------------------------------------------
+    def plan(self, ctx) -> Plan:
+        cfg, ad, req, tm = self.cfg, ctx.adapter, ctx.request, ctx.timings
+        if not ad.supports_attention:
+            if not getattr(self, "_warned", False):
+                log.warning("carnator's attention processors are not yet available for %s: generating densely", ad.family)
+                self._warned = True
+            return Plan(hit=False, notes={"fallback": "dense"})
+        ctrl = ad.attention()
+        n_tokens = int(np.prod(ad.token_grid(req)))
+        # Small token counts (the embedded model: 512) get blocks of N/16 so a mask has 16 x 16 blocks.
+        blk = cfg.sparse.block if cfg.sparse.block * 8 <= n_tokens else max(8, n_tokens // 16)
+        ctrl.sparse = SparseConfig(block=blk, p=cfg.sparse.p, steps=cfg.sparse.steps, layers=cfg.sparse.layers)
+        nouns = extract_nouns(req.prompt)
+
+        t0 = time.perf_counter()
+        candidates = self.recall(ctx, nouns)
+        tm["recall"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        positions, ev = self.probe(ctx, nouns)
+        tm["probe"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        sig, regions = self.signature(ctx, positions, ev)
+        ctrl.evidence = None
+        tm["signature"] = time.perf_counter() - t0
+
+        extra = {"nouns": nouns, "signature": sig.to_dict()}
+        ev_tensors = {EVIDENCE_PREFIX + n: torch.from_numpy(m.astype(np.uint8)) for n, m in regions.items()}
+        t0 = time.perf_counter()
+        won = self.decide(ctx, sig, candidates) if candidates else None
+        tm["decision"] = time.perf_counter() - t0
+        miss = Plan(hit=False, entry_extra=extra, entry_tensors=ev_tensors, notes={"candidates": len(candidates)})
+        if won is None:
+            return miss
+
+        t0 = time.perf_counter()
+        plan = self._reuse_plan(ctx, won, regions)
+        tm["plan"] = time.perf_counter() - t0
+        if plan is None:
+            return miss
+        plan.entry_extra, plan.entry_tensors = extra, ev_tensors
+        plan.notes["candidates"] = len(candidates)
+        return plan
+
+    def _reuse_plan(self, ctx, won, regions) -> Plan | None:
+        cfg, ad, req, st = self.cfg, ctx.adapter, ctx.request, ctx.state
+        meta, diff, d = won
+        r = max(cfg.resume_step, cfg.probe_steps)
+        n = st.num_steps
+        if r >= n:
+            return None
+        tensors = ctx.bank.load(meta.id)
+        grid = ad.token_grid(req)
+        need = [f"traj.{i}" for i in range(r - 1, n)]
+        if tensors is None or any(k not in tensors for k in need):
+            log.info("entry %s lacks the trajectory for resume step %d: miss", meta.id, r)
+            return None
+        traj = {i: tensors[f"traj.{i}"] for i in range(r - 1, n)}
+        if tuple(traj[r - 1].shape) != tuple(st.latents.shape):
+            return None
+        # Target region: the query's region of the substituted noun and the source's region of its
+        # noun (so the old object is recomputed, not kept as a ghost); with no substitution, every noun's.
+        src_regions = {k[len(EVIDENCE_PREFIX):]: v.bool().numpy() for k, v in tensors.items() if k.startswith(EVIDENCE_PREFIX)}
+        if diff.substituted is not None:
+            oq, oj = diff.substituted
+            ev = [regions.get(oq), src_regions.get(oj)]
+        else:
+            ev = list(regions.values()) + list(src_regions.values())
+        ev = [m for m in ev if m is not None and m.shape == tuple(grid)]
+        if not ev:
+            return None
+        scope = reuse_scope(ev, cfg.scope)
+        patch = tuple(int(a // b) for a, b in zip(st.latents.shape[2:], grid))
+        W = torch.from_numpy(upsample_tokens(scope.weight, patch).astype(np.float32))[None, None].to(st.latents.device)
+        dev = st.latents.device
+
+        def after_step(i: int, state) -> torch.Tensor:
+            z_c = traj[i].to(dev, state.latents.dtype)
+            return W * state.latents + (1 - W) * z_c
+
+        ctrl = ad.attention()
+        L = ad.num_layers()
+        lo, hi = int(round(cfg.window[0] * L)), int(round(cfg.window[1] * L))
+        active = torch.from_numpy(np.flatnonzero(scope.active.reshape(-1)))
+        context = torch.from_numpy(np.flatnonzero(scope.context.reshape(-1)))
+        ctrl.window = WindowPlan(range(lo, hi), active, context) if hi > lo and len(active) > 0 else None
+        density = None
+        if cfg.reuse_masks:
+            try:
+                ctrl.masks = BlockMaskSet.from_tensors(tensors, MASK_PREFIX)
+                density = ctrl.masks.density
+                if ctrl.masks.q_len != int(np.prod(grid)):
+                    ctrl.masks = None
+                    density = None
+            except (KeyError, ValueError):
+                ctrl.masks = None
+        return Plan(
+            hit=True, source_id=meta.id, resume_step=r, init_latents=traj[r - 1], hooks=StepHooks(after_step=after_step),
+            active_fraction=float(scope.active.mean()), mask_density=density,
+            notes={"discrepancies": {k: (None if v is None else float(v)) for k, v in vars(d).items()}},
+        )
+
+    def entry_tensors(self, ctx) -> dict[str, torch.Tensor]:
+        if not ctx.adapter.supports_attention:
+            return {}
+        ctrl = ctx.adapter.attention()
+        return ctrl.captured.to_tensors(MASK_PREFIX) if ctrl.captured is not None else {}

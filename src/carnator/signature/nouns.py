@@ -1,0 +1,68 @@
+"""Nouns of a prompt, for the noun filter and the Evidence Regions (PAPER step 1).
+
+spaCy's English pipeline when one is installed (optional extra ``carnator[nlp]`` plus a model
+such as ``en_core_web_sm``), else a dependency-free fallback: exact on the shapes world's closed
+grammar, and a stop-word heuristic on real prompts (content words that are not adjectives,
+verbs or adverbs by a small lexicon and suffix rules).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+_STOP = set(
+    """a an the and or but of in on at to from with without by for over under above below into onto
+    through across along around behind beside between near far up down left right there here this that
+    these those it its is are was were be been being has have had do does did very just some any
+    all each every no not one two three four five several many few more most other such as than
+    then so too also while when where who whom which what how his her their our your my me you we they
+    he she them him us i am slowly quickly gently softly high low fast slow""".split()
+)
+_ADJ = set(
+    """red orange yellow green cyan blue purple pink white black gray grey brown golden silver dark
+    light bright big small large tiny huge little giant beautiful cinematic realistic photorealistic
+    detailed epic dramatic cute old young new ancient modern happy sad 4k 8k hd uhd hq high-quality
+    colorful vibrant misty foggy sunny snowy rainy grassy sandy fresh smooth""".split()
+)
+_NON_NOUN_SUFFIX = ("ing", "ly", "ed", "ful", "ous", "ive", "ic", "al", "ish")
+
+
+@lru_cache(maxsize=1)
+def _spacy():
+    try:
+        import spacy
+
+        return spacy.load("en_core_web_sm")
+    except Exception:  # not installed, or no English pipeline
+        return None
+
+
+def spacy_available() -> bool:
+    return _spacy() is not None
+
+
+def fallback_nouns(text: str) -> list[str]:
+    """Dependency-free nouns: exact for the shapes world, a heuristic elsewhere."""
+    from ..world.captions import nouns as world_nouns
+    from ..world.captions import vocabulary
+
+    words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)?", text.lower())
+    if words and set(words) <= set(vocabulary()):
+        return world_nouns(text)
+    out = []
+    for w in words:
+        if w in _STOP or w in _ADJ or w.isdigit() or len(w) < 3:
+            continue
+        if w.endswith(_NON_NOUN_SUFFIX) and not w.endswith(("ring", "king", "ship", "ball", "animal", "crystal")):
+            continue
+        out.append(w)
+    return list(dict.fromkeys(out))
+
+
+def extract_nouns(text: str, *, use_spacy: bool | None = None) -> list[str]:
+    """Lower-cased nouns of ``text`` in order of appearance, duplicates merged."""
+    nlp = _spacy() if use_spacy in (None, True) else None
+    if nlp is None:
+        return fallback_nouns(text)
+    return list(dict.fromkeys(t.text.lower() for t in nlp(text) if t.pos_ in ("NOUN", "PROPN")))
