@@ -1,0 +1,93 @@
+"""The carnator policy end to end on the embedded model (short schedules to keep CPU time small)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from carnator import Carnator, EngineConfig
+from carnator.embed import TextEmbedder
+from carnator.errors import CarnatorError
+from carnator.reuse import Thresholds
+
+STEPS, RESUME = 8, 5
+
+
+def bag_of_words_embedder() -> TextEmbedder:
+    """Deterministic stand-in for MiniLM: hashed bag of words (recall order by word overlap)."""
+
+    def enc(texts):
+        out = np.zeros((len(texts), 64), np.float32)
+        for i, t in enumerate(texts):
+            for w in t.lower().replace(",", " ").split():
+                out[i, sum(map(ord, w)) % 64] += 1.0
+        return out
+
+    return TextEmbedder(enc, 64, "bow")
+
+
+def make_engine(tmp_path, tau: Thresholds | None, **opts) -> Carnator:
+    eng0 = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c0", device="cpu", embedder=bag_of_words_embedder())
+    path = None
+    if tau is not None:
+        path = tmp_path / "tau.json"
+        tau.save(path, model_id=eng0.model_identity)
+    cfg = EngineConfig(policy_options={"carnator": {"resume_step": RESUME, "thresholds": None if path is None else str(path), **opts}})
+    return Carnator(eng0.pipe, tmp_path / "cache", config=cfg, embedder=bag_of_words_embedder(), adapter=eng0.adapter)
+
+
+OPEN = Thresholds(context=math.inf, size=math.inf, shape=math.inf, color=math.inf)
+
+
+@pytest.mark.slow
+def test_hit_resumes_and_keeps_cached_latent_outside_active(tmp_path):
+    eng = make_engine(tmp_path, OPEN)
+    a = eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
+    assert not a.stats.hit and a.stats.notes["candidates"] == 0
+    entry = eng.bank.load(a.stats.entry_id)
+    assert any(k.startswith("attn.") for k in entry) and any(k.startswith("evidence.") for k in entry)
+    assert set(eng.bank.get(a.stats.entry_id).extra["nouns"]) == {"ball", "grass"}
+
+    b = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
+    s = b.stats
+    assert s.hit and s.source_id == a.stats.entry_id and s.resume_step == RESUME
+    # 4 probe steps + the steps from the resume step on, two CFG branches each.
+    assert s.dit_forwards == 2 * (4 + STEPS - RESUME)
+    assert 0 < s.active_fraction <= 1 and 0 < s.mask_density <= 1
+    # Outside the Active region the blend weight is 0: the final latent is the source's, exactly.
+    final_b = eng.bank.load(s.entry_id)["final"]
+    final_a = entry["final"]
+    from carnator.signature import EarlySignature  # noqa: F401  (signature stored and readable)
+
+    same = (final_b == final_a).all(dim=1)[0]  # (T, H, W) latent positions identical in every channel
+    assert same.float().mean() >= 1 - s.active_fraction - 1e-6
+    assert not same.all()
+
+
+@pytest.mark.slow
+def test_noun_filter_and_tight_thresholds_give_misses(tmp_path):
+    eng = make_engine(tmp_path, Thresholds(context=-1.0, size=-1.0, shape=-1.0, color=-1.0))
+    eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
+    # Two nouns differ (ball->box, grass->snow): the noun filter drops the candidate.
+    r = eng.generate("a small red box moving left on snow", seed=2, num_inference_steps=STEPS)
+    assert not r.stats.hit and r.stats.notes["candidates"] == 0
+    # One noun differs: recalled, but no threshold admits it.
+    r = eng.generate("a small red box moving left on grass", seed=3, num_inference_steps=STEPS)
+    assert not r.stats.hit and r.stats.notes["candidates"] >= 1
+    assert r.stats.dit_forwards == 2 * STEPS
+
+
+def test_threshold_file_of_another_model_is_refused(tmp_path):
+    path = tmp_path / "tau.json"
+    Thresholds().save(path, model_id="some-other-model")
+    with pytest.raises(CarnatorError):
+        Thresholds.load(path, model_id="embedded-0000")
+
+
+def test_unknown_policy_is_a_clear_error(tmp_path):
+    eng = make_engine(tmp_path, None)
+    with pytest.raises(CarnatorError, match="unknown policy"):
+        eng.generate("a red ball", seed=0, policy="nope")
