@@ -12,14 +12,15 @@ from .captions import (
     random_style, vocabulary,
 )
 from .judge import JudgeReport, ObjectReading, Reading, judge, read
-from .render import Rendered, render, shape_sdf, to_uint8
+from .render import Layout, Rendered, layout, render, shape_sdf, to_uint8
 from .scene import (
     BACKGROUNDS, COLORS, MOTIONS, SHAPES, SIZES, Obj, Scene, compatible, sample_scene, sample_scenes, split_of,
 )
 
 __all__ = [
     "Scene", "Obj", "SHAPES", "COLORS", "BACKGROUNDS", "SIZES", "MOTIONS", "compatible", "sample_scene",
-    "sample_scenes", "split_of", "render", "Rendered", "shape_sdf", "to_uint8", "caption", "parse", "nouns",
-    "vocabulary", "edit", "EditPair", "EDIT_KINDS", "Style", "random_style", "TEMPLATES", "TRAIN_TEMPLATES",
-    "HELDOUT_TEMPLATES", "judge", "read", "JudgeReport", "Reading", "ObjectReading",
+    "sample_scenes", "split_of", "render", "Rendered", "layout", "Layout", "shape_sdf", "to_uint8",
+    "caption", "parse", "nouns", "vocabulary", "edit", "EditPair", "EDIT_KINDS", "Style", "random_style",
+    "TEMPLATES", "TRAIN_TEMPLATES", "HELDOUT_TEMPLATES", "judge", "read", "JudgeReport", "Reading",
+    "ObjectReading",
 ]

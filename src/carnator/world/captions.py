@@ -19,14 +19,9 @@ held-out templates only recombine words that train templates use.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import numpy as np
-
-from .scene import (
-    BACKGROUNDS, COLORS, MOTIONS, OPPOSITE_MOTION, SHAPES, SIZES, Obj, Scene, as_rng, backgrounds_for, colors_for,
-    compatible, split_of,
-)
+from .scene import COLORS, OPPOSITE_MOTION, SHAPES, SIZES, Obj, Scene, as_rng, backgrounds_for, colors_for, split_of
 
 __all__ = [
     "Style", "EditPair", "EDIT_KINDS", "TEMPLATES", "TRAIN_TEMPLATES", "HELDOUT_TEMPLATES", "PREFIXES", "SUFFIXES",
@@ -335,7 +330,3 @@ def edit(scene: Scene, kind: str, rng=None, style: Style | None = None, split: s
             raise ValueError(f"unknown edit kind {kind!r}; expected one of {EDIT_KINDS}")
     target = _pick(rng, [c for c in cands if ok(c)])
     return EditPair(kind, scene, target, caption(scene, style=style), caption(target, style=style), index, style, style)
-
-
-def restyle(style: Style, **changes) -> Style:
-    return replace(style, **changes)

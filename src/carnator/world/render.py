@@ -10,14 +10,18 @@ one-pixel anti-aliasing and ``alpha >= 0.5`` the hard mask. The only Python loop
 object slots (<= 2) and shape kinds (7).
 
 Trajectories (``s = t / (frames - 1)`` in [0, 1]; all lengths scale with ``size``):
-left/right/up/down travel ``TRAVEL * size`` in a straight line; bouncing starts on its floor and
-bounces twice, ``BOUNCE * size`` high; growing/shrinking scale geometrically between ``GROW``
-(a 2x change of radius, so the median scale equals 1); still stays put. Start positions are
-random (from ``generator``) such that the whole trajectory stays inside the frame, and for two
-objects the first of 64 random placements (16 uniform, then 48 with the objects at opposite ends
-of a random axis) that keeps them apart (disjoint bounding boxes or circumcircles) on every frame is kept (else the one that is
-apart at the start and overlaps least). Overlaps remain only where unavoidable (two big objects
-growing, or crossing paths that no placement separates).
+left/right/up/down travel ``TRAVEL * size`` (27 px at 64) in a straight line; bouncing starts
+on its floor and bounces twice, ``BOUNCE * size`` (22 px) high; growing/shrinking scale
+geometrically between ``GROW`` (0.75 -> 1.33: a 1.78x change of radius whose median is 1, so
+"small"/"big" hold mid-clip); still stays put.
+
+Start positions are random (from ``generator``) such that the whole trajectory stays inside the
+frame (margin ``size / 32``). For two objects, the first of 64 random placements (16 uniform,
+then 48 with the objects at opposite ends of a random axis) that keeps them apart on every frame
+(disjoint bounding boxes or circumcircles) is kept, else the one that is apart at the start and
+overlaps least. With 64x64 frames about 0.2 % of two-object scenes start overlapping (two big
+objects, one of them shrinking: no room) and about 7 % overlap later (crossing paths, growth);
+the second object is drawn on top.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from .scene import (
-    BACKGROUNDS, BOUNCE, COLORS, GROW, MOTIONS, SHAPE_EXTENT, SHAPES, SIZE_RADIUS, SIZES, TRAVEL, Scene,
+    BACKGROUNDS, BOUNCE, COLORS, GROW, MOTIONS, SHAPE_EXTENT, SHAPES, SIZE_RADIUS, TRAVEL, Scene,
 )
 
 __all__ = ["render", "Rendered", "layout", "Layout", "shape_sdf", "to_uint8", "trajectories"]
@@ -48,28 +53,42 @@ class Rendered(NamedTuple):
     masks: torch.Tensor   # (B, n_obj, T, H, W) bool: visible pixels (coverage >= 0.5) of each object
 
 
-def _box(u, v, bx, by):
-    qx, qy = u.abs() - bx, v.abs() - by
-    outside = torch.sqrt(qx.clamp(min=0) ** 2 + qy.clamp(min=0) ** 2)
-    return outside + torch.maximum(qx, qy).clamp(max=0)
+class _Ops:
+    """The few array functions the SDFs need, for torch tensors or numpy arrays."""
+
+    def __init__(self, x):
+        t = isinstance(x, torch.Tensor)
+        self.sqrt, self.abs, self.maximum, self.minimum, self.where, self.remainder, self.cos, self.sin = (
+            (torch.sqrt, torch.abs, torch.maximum, torch.minimum, torch.where, torch.remainder, torch.cos, torch.sin) if t
+            else (np.sqrt, np.abs, np.maximum, np.minimum, np.where, np.remainder, np.cos, np.sin))
+        self.atan2 = torch.atan2 if t else np.arctan2
+        self.relu = (lambda a: a.clamp(min=0)) if t else (lambda a: np.maximum(a, 0))
+        self.neg = (lambda a: a.clamp(max=0)) if t else (lambda a: np.minimum(a, 0))
 
 
-def shape_sdf(shape: str, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _box(o, u, v, bx, by):
+    qx, qy = o.abs(u) - bx, o.abs(v) - by
+    return o.sqrt(o.relu(qx) ** 2 + o.relu(qy) ** 2) + o.neg(o.maximum(qx, qy))
+
+
+def shape_sdf(shape: str, u, v):
     """Signed distance (negative inside) to ``shape`` of radius 1, bounding box centred on (0, 0).
 
-    ``u`` grows rightwards and ``v`` downwards (image coordinates); broadcasting.
-    Exact or a close approximation (convex polygons: max of edge distances), fine for AA.
+    ``u`` grows rightwards and ``v`` downwards (image coordinates); broadcasting; torch tensors
+    or numpy arrays. Exact or a close approximation (unions and convex polygons: min / max of
+    part distances), good enough for anti-aliasing.
     """
+    o = _Ops(u)
     if shape == "circle":
-        return torch.sqrt(u * u + v * v) - 1.0
+        return o.sqrt(u * u + v * v) - 1.0
     if shape == "square":
-        return _box(u, v, _SQUARE, _SQUARE)
+        return _box(o, u, v, _SQUARE, _SQUARE)
     if shape == "diamond":
-        return (u.abs() + v.abs() - _DIAMOND) * (0.5**0.5)
+        return (o.abs(u) + o.abs(v) - _DIAMOND) * (0.5**0.5)
     if shape == "ring":
-        return (torch.sqrt(u * u + v * v) - _RING_MID).abs() - _RING_HALF
+        return o.abs(o.sqrt(u * u + v * v) - _RING_MID) - _RING_HALF
     if shape == "cross":
-        return torch.minimum(_box(u, v, _CROSS_ARM, _CROSS_HALF), _box(u, v, _CROSS_HALF, _CROSS_ARM))
+        return o.minimum(_box(o, u, v, _CROSS_ARM, _CROSS_HALF), _box(o, u, v, _CROSS_HALF, _CROSS_ARM))
     if shape == "triangle":
         w = _TRI_W
         h = w * 3**0.5
@@ -78,22 +97,23 @@ def shape_sdf(shape: str, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         base = v - h2
         left = (-h * u - w * v - w * h2) / n
         right = (h * u - w * v - w * h2) / n
-        return torch.maximum(base, torch.maximum(left, right))
+        return o.maximum(base, o.maximum(left, right))
     if shape == "star":
         R, Ri, an = _STAR_R, _STAR_R * _STAR_INNER, math.pi / 5
-        x = u.abs()
+        x = o.abs(u)
         y = -v + R * (1 - math.cos(an)) / 2        # y up, star centre such that its bbox is centred
-        theta = torch.atan2(x, y)                   # angle from "up"; a point of the star is at 0
-        bn = torch.remainder(theta, 2 * an) - an
-        rho = torch.sqrt(x * x + y * y)
-        qx, qy = rho * torch.cos(bn), rho * torch.sin(bn).abs()
+        theta = o.atan2(x, y)                       # angle from "up"; a point of the star is at 0
+        bn = o.remainder(theta, 2 * an) - an
+        rho = o.sqrt(x * x + y * y)
+        qx, qy = rho * o.cos(bn), rho * o.abs(o.sin(bn))
         ax, ay = R * math.cos(an), R * math.sin(an)  # outer vertex in the reduced sector
         bx, by = Ri, 0.0                             # inner vertex
         ex, ey = bx - ax, by - ay
-        t = (((qx - ax) * ex + (qy - ay) * ey) / (ex * ex + ey * ey)).clamp(0, 1)
-        d = torch.sqrt((qx - ax - t * ex) ** 2 + (qy - ay - t * ey) ** 2)
+        t = ((qx - ax) * ex + (qy - ay) * ey) / (ex * ex + ey * ey)
+        t = o.minimum(o.relu(t), 1.0) if isinstance(t, np.ndarray) else t.clamp(0, 1)
+        d = o.sqrt((qx - ax - t * ex) ** 2 + (qy - ay - t * ey) ** 2)
         cross = ex * (qy - ay) - ey * (qx - ax)
-        return torch.where(cross < 0, -d, d)
+        return o.where(cross < 0, -d, d)
     raise ValueError(f"unknown shape {shape!r}")
 
 
