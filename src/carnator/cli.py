@@ -94,6 +94,21 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .calibration import QualityRule, run_calibration
+    from .reuse import CalibrationConfig
+
+    if args.model != "embedded":
+        raise CarnatorError("calibrate needs a judge of prompt fidelity; only the embedded model has one (--model embedded)")
+    if args.pairs < 4:
+        raise CarnatorError("--pairs must be at least 4")
+    eng = _engine(args)
+    summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=QualityRule(args.delta_fidelity, args.delta_artifact),
+                              cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence), resume_step=args.resume_step)
+    print(json.dumps(summary, indent=1, default=str))
+    return 0
+
+
 def _bank(args):
     from .cache import CacheBank, default_cache_dir
 
@@ -159,6 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--out", default="carnator-demo", help="output folder (clips, demo.json, index.html)")
     d.set_defaults(func=cmd_demo)
+
+    k = sub.add_parser("calibrate", help="select and certify compatibility thresholds (embedded model)")
+    _add_gen_args(k)
+    k.add_argument("--pairs", type=int, default=100, help="request-cache pairs (paper: 30 selection + 70 certification)")
+    k.add_argument("--steps", type=int, default=None)
+    k.add_argument("--resume-step", type=int, default=None)
+    k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
+    k.add_argument("--confidence", type=float, default=0.90)
+    k.add_argument("--delta-fidelity", type=float, default=0.1)
+    k.add_argument("--delta-artifact", type=float, default=0.02)
+    k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
+    k.set_defaults(func=cmd_calibrate)
 
     c = sub.add_parser("cache", help="inspect or manage the cache")
     c.add_argument("action", choices=["ls", "stats", "verify", "clear"])

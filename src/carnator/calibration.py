@@ -1,0 +1,102 @@
+"""``carnator calibrate``: risk-aware thresholds for the embedded model (PAPER step 6).
+
+Builds request-cache pairs from the shapes world's edit generators (noun substitution, context,
+colour, size, motion reversal, rewording, re-roll). For each pair: the cached request is generated
+through the carnator policy (so it carries a signature and masks), the query is generated densely
+and through a *forced* reuse of that entry (thresholds open), both are judged, and the pair is
+labelled acceptable iff the reuse's prompt fidelity >= dense's - Delta and its artifact score <=
+dense's + Delta'. Pairs the noun filter rejects are never reused and are skipped. Thresholds are
+selected on one split and certified on the other (:func:`carnator.reuse.calibrate`).
+Every pair is appended to a JSONL file as it finishes, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate
+
+EDIT_MIX = ("noun", "noun", "context", "color", "size", "motion", "reword", "reroll")
+
+
+@dataclass
+class QualityRule:
+    """A reuse is acceptable iff fidelity >= dense - delta_fidelity and artifact <= dense + delta_artifact."""
+
+    delta_fidelity: float = 0.1
+    delta_artifact: float = 0.02
+
+
+def make_pairs(n: int, seed: int = 0):
+    """n (kind, source caption, source seed, target caption, target seed) tuples from the train split."""
+    from .world.captions import caption, edit
+    from .world.scene import sample_scene
+
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        kind = EDIT_MIX[len(out) % len(EDIT_MIX)]
+        scene = sample_scene(rng, split="train")
+        if kind == "reroll":
+            text = caption(scene, rng)
+            out.append((kind, text, int(rng.integers(1 << 30)), text, int(rng.integers(1 << 30))))
+            continue
+        try:
+            e = edit(scene, kind, rng)
+        except ValueError:
+            continue
+        out.append((kind, e.source_text, int(rng.integers(1 << 30)), e.target_text, int(rng.integers(1 << 30))))
+    return out
+
+
+def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = None, rule: QualityRule = QualityRule(),
+                    cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | None = None, progress=print) -> dict:
+    from .policies.carnator import CarnatorConfig, CarnatorPolicy
+    from .world.judge import judge
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    open_tau = out_dir / "open_thresholds.json"
+    Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=engine.model_identity)
+    base = engine.policy("carnator").cfg
+    forced = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), **({"resume_step": resume_step} if resume_step else {})}))
+    engine._policies["carnator-forced"] = forced
+    log_path = out_dir / "pairs.jsonl"
+    done = {}
+    if log_path.exists():
+        for line in log_path.read_text().splitlines():
+            r = json.loads(line)
+            done[r["i"]] = r
+    pairs = make_pairs(n_pairs)
+    with open(log_path, "a") as log:
+        for i, (kind, src, s_seed, tgt, t_seed) in enumerate(pairs):
+            if i in done:
+                continue
+            tenant = f"calib{i}"
+            engine.generate(src, seed=s_seed, policy="carnator", tenant=tenant, num_inference_steps=steps)
+            dense = engine.generate(tgt, seed=t_seed, policy="dense", tenant=tenant, num_inference_steps=steps, store=False)
+            reuse = engine.generate(tgt, seed=t_seed, policy="carnator-forced", tenant=tenant, num_inference_steps=steps, store=False)
+            jd, jr = judge(dense.frames, tgt), judge(reuse.frames, tgt)
+            d = reuse.stats.notes.get("discrepancies")
+            row = {"i": i, "kind": kind, "source": src, "target": tgt, "hit": reuse.stats.hit, "d": d,
+                   "dense": {"fidelity": jd.fidelity, "artifact": jd.artifact}, "reuse": {"fidelity": jr.fidelity, "artifact": jr.artifact},
+                   "dit_dense": dense.stats.timings.get("dit"), "dit_reuse": reuse.stats.timings.get("dit")}
+            row["acceptable"] = bool(jr.fidelity >= jd.fidelity - rule.delta_fidelity and jr.artifact <= jd.artifact + rule.delta_artifact)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            done[i] = row
+            engine.bank.clear(tenant=tenant)
+            progress(f"{i + 1}/{n_pairs} {kind:7s} hit={row['hit']} acceptable={row['acceptable']} fid {jd.fidelity:.2f}->{jr.fidelity:.2f}")
+    rows = [done[i] for i in sorted(done) if done[i]["hit"] and done[i]["d"] is not None]
+    cal_pairs = [CalibrationPair(Discrepancies(**{k: (math.inf if v is None and k == "context" else v) for k, v in r["d"].items()}), r["acceptable"], key=str(r["i"])) for r in rows]
+    res = calibrate(cal_pairs, cfg)
+    tau_path = out_dir / "thresholds.json"
+    res.thresholds.save(tau_path, model_id=engine.model_identity, meta=res.to_dict())
+    summary = {"pairs": len(pairs), "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
+               "rule": vars(rule), "result": res.to_dict(), "thresholds_file": str(tau_path)}
+    (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
