@@ -9,16 +9,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from . import denoise
 from .backbones.base import BackboneAdapter, Conditioning, adapter_for
-from .errors import CarnatorError, InvalidRequestError, ModelLoadError
+from .errors import CacheError, InvalidRequestError, ModelLoadError
 from .policies import Plan, get_policy_class, policy_names
 from .request import Request, Result, Stats, to_uint8
+
+if TYPE_CHECKING:
+    from .cache import CacheBank
 
 log = logging.getLogger("carnator")
 
@@ -64,7 +67,14 @@ class RequestContext:
 
     def embedding(self) -> np.ndarray:
         if self._embedding is None:
-            self._embedding = self.engine.embedder(self.request.prompt)
+            emb = self.engine.embedder(self.request.prompt)
+            dim = self.bank.embed_dim
+            if dim is not None and emb.size != dim:
+                raise CacheError(
+                    f"cache at {self.bank.root} holds {dim}-d recall embeddings but this embedder "
+                    f"({getattr(self.engine.embedder, 'name', '?')}) makes {emb.size}-d ones; use another cache directory"
+                )
+            self._embedding = emb
         return self._embedding
 
     def run_steps(self, stop: int, hooks: denoise.StepHooks | None = None) -> denoise.DenoiseState:
@@ -80,14 +90,13 @@ class Carnator:
     >>> res.frames.shape, res.stats.hit
     """
 
-    def __init__(self, pipe, cache_dir: str | os.PathLike | None = None, *, config: EngineConfig | None = None, embedder=None, adapter: BackboneAdapter | None = None):
+    def __init__(self, pipe, cache_dir: str | os.PathLike | CacheBank | None = None, *, config: EngineConfig | None = None, embedder=None, adapter: BackboneAdapter | None = None):
+        """``cache_dir``: the cache directory (default: ``$CARNATOR_CACHE_DIR`` or ``~/.cache/carnator``)
+        or an open :class:`~carnator.cache.CacheBank`."""
         self.pipe = pipe
         self.adapter = adapter if adapter is not None else adapter_for(pipe)
         self.config = config or EngineConfig()
-        from .cache import CacheBank, default_cache_dir
-
-        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.bank = CacheBank(root, capacity_bytes=self.config.capacity_bytes, eviction=self.config.eviction)
+        self.bank = _open_bank(cache_dir, self.config)
         self._embedder = embedder
         self._policies: dict[str, Any] = {}
         self.model_identity = self.adapter.model_identity()
@@ -97,36 +106,25 @@ class Carnator:
     def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None, torch_dtype: torch.dtype | None = None, **kwargs) -> "Carnator":
         """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if model == "embedded":
+        _check_device(device)
+        class_name = None if model == "embedded" else _pipeline_class(model)
+        # Open the cache before loading the model, so that a bad cache directory fails fast.
+        bank = _open_bank(cache_dir, kwargs.get("config") or EngineConfig())
+        if class_name is None:
+            from .backbones.embedded import EmbeddedAdapter
             from .embedded import load_pipeline
 
             pipe = load_pipeline(device=device)
-            from .backbones.embedded import EmbeddedAdapter
-
-            return cls(pipe, cache_dir, adapter=EmbeddedAdapter(pipe), **kwargs)
-        path = Path(model)
-        if not path.is_dir():
-            raise ModelLoadError(f"model not found: {model!r} is neither 'embedded' nor a local diffusers directory")
-        index = path / "model_index.json"
-        if not index.exists():
-            raise ModelLoadError(f"{path} is not a diffusers pipeline directory (no model_index.json)")
-        try:
-            class_name = json.loads(index.read_text())["_class_name"]
-        except (ValueError, KeyError) as e:
-            raise ModelLoadError(f"{index} is not a valid diffusers model index") from e
-        from .backbones.base import supported_pipelines
-
-        if class_name not in supported_pipelines():
-            raise ModelLoadError(f"unsupported pipeline class {class_name}; supported: {', '.join(supported_pipelines())}")
+            return cls(pipe, bank, adapter=EmbeddedAdapter(pipe), **kwargs)
         import diffusers
 
         try:
-            pipe = getattr(diffusers, class_name).from_pretrained(str(path), torch_dtype=torch_dtype, local_files_only=True)
+            pipe = getattr(diffusers, class_name).from_pretrained(str(model), torch_dtype=torch_dtype, local_files_only=True)
         except Exception as e:  # diffusers raises many types for broken directories
-            raise ModelLoadError(f"could not load {class_name} from {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+            raise ModelLoadError(f"could not load {class_name} from {model}: {_first_line(e)}") from e
         pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, cache_dir, **kwargs)
+        return cls(pipe, bank, **kwargs)
 
     @property
     def embedder(self):
@@ -231,14 +229,15 @@ class Carnator:
 
         if store:
             t0 = time.perf_counter()
-            stats.entry_id = self._admit(ctx, plan, state, frames, exact_key)
+            stats.entry_id = self._admit(ctx, plan, state, frames, exact_key, stats)
             timings["store"] = time.perf_counter() - t0
         if plan.source_id is not None:
             self.bank.touch(plan.source_id)
         timings["total"] = time.perf_counter() - t_start
         return Result(frames=frames, stats=stats, request=req, video=video)
 
-    def _admit(self, ctx: RequestContext, plan: Plan, state: denoise.DenoiseState, frames: np.ndarray, exact_key: str) -> str | None:
+    def _admit(self, ctx: RequestContext, plan: Plan, state: denoise.DenoiseState, frames: np.ndarray, exact_key: str, stats: Stats) -> str | None:
+        """Store the request's trajectory and video; a cache that cannot take it costs the entry, not the video."""
         req = ctx.request
         dtype = getattr(torch, self.config.latent_dtype)
         tensors: dict[str, torch.Tensor] = {f"traj.{i}": z.to(dtype) for i, z in state.trajectory.items()}
@@ -253,8 +252,52 @@ class Carnator:
                 prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed,
                 steps_saved=float(req.num_inference_steps), embedding=ctx.embedding(), tensors=tensors, extra=extra,
             )
-        except CarnatorError:
-            raise
-        except OSError as e:
-            log.warning("could not store the entry: %s", e)
+        except (CacheError, OSError) as e:  # unwritable or full disk, locked database, another embedder's cache
+            log.warning("could not store the result in the cache: %s", _first_line(e))
+            stats.notes["store_error"] = _first_line(e)
             return None
+
+
+def _pipeline_class(model: str | os.PathLike) -> str:
+    """The supported diffusers pipeline class named by the local directory ``model``; ModelLoadError otherwise."""
+    path = Path(model)
+    if not path.is_dir():
+        raise ModelLoadError(f"model not found: {str(model)!r} is neither 'embedded' nor a local diffusers directory")
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ModelLoadError(f"{path} is not a diffusers pipeline directory (no model_index.json)")
+    try:
+        class_name = json.loads(index.read_text())["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{index} is not a valid diffusers model index") from e
+    from .backbones.base import supported_pipelines
+
+    if not isinstance(class_name, str) or class_name not in supported_pipelines():
+        raise ModelLoadError(f"unsupported pipeline class {class_name}; supported: {', '.join(supported_pipelines())}")
+    return class_name
+
+
+def _open_bank(cache_dir, config: EngineConfig):
+    from .cache import CacheBank, default_cache_dir
+
+    if isinstance(cache_dir, CacheBank):
+        return cache_dir
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return CacheBank(root, capacity_bytes=config.capacity_bytes, eviction=config.eviction)
+
+
+def _check_device(device: str) -> None:
+    """A device string torch cannot parse, or a CUDA device this machine lacks, is a ModelLoadError."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"unknown device {device!r}; use cpu or cuda") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index is not None and dev.index >= count):
+            raise ModelLoadError(f"device {device!r} is not available here ({count} CUDA device(s))")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

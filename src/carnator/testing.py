@@ -66,6 +66,19 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _ready(pipe):
+    """Every component in inference mode, as ``from_pretrained`` leaves them, and no progress bars.
+
+    Models built from a config start in training mode, where the text encoders' dropout would make
+    each encoding of a prompt different (and depend on the global RNG).
+    """
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def tiny_wan(seed: int = 0, *, expand_timesteps: bool = False):
     """A tiny WanPipeline (Wan2.1 layout; ``expand_timesteps=True`` gives the Wan2.2-TI2V code path)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
@@ -87,8 +100,7 @@ def tiny_wan(seed: int = 0, *, expand_timesteps: bool = False):
     )
     pipe = WanPipeline(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tokenizer,
                        expand_timesteps=expand_timesteps)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe.to(torch.float32)
+    return _ready(pipe.to(torch.float32))
 
 
 def tiny_ltx(seed: int = 0, *, timestep_conditioning: bool = False):
@@ -119,8 +131,7 @@ def tiny_ltx(seed: int = 0, *, timestep_conditioning: bool = False):
     )
     pipe = LTXPipeline(transformer=transformer, vae=vae, scheduler=scheduler,
                        text_encoder=text_encoder, tokenizer=byte_tokenizer(128))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe  # float32 already
+    return _ready(pipe)  # float32 already
 
 
 def tiny_hunyuan(seed: int = 0):
@@ -159,8 +170,7 @@ def tiny_hunyuan(seed: int = 0):
         transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
         text_encoder=llama, tokenizer=tokenizer, text_encoder_2=clip, tokenizer_2=byte_tokenizer(77, bos=True),
     )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe  # float32 already
+    return _ready(pipe)  # float32 already
 
 
 def tiny_cogvideox(seed: int = 0, *, patch_size_t: int | None = None, scheduler: str = "ddim"):
@@ -192,8 +202,7 @@ def tiny_cogvideox(seed: int = 0, *, patch_size_t: int | None = None, scheduler:
     sched = {"ddim": CogVideoXDDIMScheduler, "dpm": CogVideoXDPMScheduler}[scheduler]()
     pipe = CogVideoXPipeline(transformer=transformer, vae=vae, scheduler=sched, text_encoder=text_encoder,
                              tokenizer=byte_tokenizer(226))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe  # float32 already
+    return _ready(pipe)  # float32 already
 
 
 def _tiny_t5(d_model: int):

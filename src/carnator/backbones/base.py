@@ -45,6 +45,10 @@ class Conditioning:
     do_cfg: bool
 
 
+#: Config keys that record how a component was loaded rather than what it is; a model moved to
+#: another directory (or loaded from disk instead of built in memory) keeps its identity and its cache.
+_NOT_IDENTITY = frozenset({"_name_or_path", "_use_default_values", "_commit_hash"})
+
 _REGISTRY: dict[str, type["BackboneAdapter"]] = {}
 
 
@@ -144,6 +148,8 @@ class BackboneAdapter(ABC):
             cfg = getattr(comp, "config", None)
             if cfg is not None:  # diffusers configs are dicts; transformers configs (text encoders) have to_dict()
                 cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+                # Loading bookkeeping, not the model: where it was loaded from, which values were defaulted.
+                cfg = {k: v for k, v in cfg.items() if k not in _NOT_IDENTITY}
                 h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
         # Fingerprint a few weights so two random inits of one config never collide.
         with torch.no_grad():

@@ -1,0 +1,311 @@
+"""The ``carnator`` command line on a saved tiny Wan pipeline.
+
+User mistakes end with status 2 and exactly one stderr line ``carnator: error: ...`` (never a
+traceback); ``generate`` writes real, decodable videos; ``cache ls|stats|verify|clear`` report and
+manage what ``generate`` stored. In-process calls use a small fake recall embedder in place of
+MiniLM (patched where the engine looks it up); the slow tests run the real thing in a subprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import carnator.embed
+from carnator.cli import main
+from carnator.embed import TextEmbedder
+from carnator.testing import tiny_pipeline
+from carnator.video import read_video
+
+PROMPT = "a red ball rolls past a blue cube"
+TINY = ["--frames", "5", "--height", "16", "--width", "16", "--steps", "2", "--guidance", "5", "--device", "cpu", "--policy", "dense"]
+
+
+def fake_embedder(dim: int = 32) -> TextEmbedder:
+    def encode(texts):
+        out = np.zeros((len(texts), dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            for w in re.findall(r"\w+", t.lower()):
+                out[i, int(hashlib.sha256(w.encode()).hexdigest(), 16) % dim] += 1.0
+            out[i, -1] += 1e-3
+        return out
+
+    return TextEmbedder(encode, dim, "hashed-bow")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _offline_and_fast(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(carnator.embed, "default_embedder", lambda: fake_embedder())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-wan")
+    tiny_pipeline("wan").save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return tmp_path / "cache"
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(code, err, *words):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got:\n{err}"
+    assert lines[0].startswith("carnator: error: ")
+    assert "Traceback" not in err
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+# ---- user mistakes -----------------------------------------------------------------------------
+
+
+def test_unknown_model_path(capsys, tmp_path, cache):
+    code, out, err = run(capsys, "generate", PROMPT, "--model", tmp_path / "no-such-model", "--cache-dir", cache, "--device", "cpu")
+    assert_user_error(code, err, "model not found")
+    assert out == ""
+
+
+def test_unsupported_pipeline_dir(capsys, tmp_path, cache):
+    d = tmp_path / "sd"
+    d.mkdir()
+    (d / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    code, _, err = run(capsys, "generate", PROMPT, "--model", d, "--cache-dir", cache, "--device", "cpu")
+    assert_user_error(code, err, "unsupported pipeline class StableDiffusionPipeline", "WanPipeline")
+
+
+def test_dir_without_model_index(capsys, tmp_path, cache):
+    code, _, err = run(capsys, "generate", PROMPT, "--model", tmp_path, "--cache-dir", cache, "--device", "cpu")
+    assert_user_error(code, err, "model_index.json")
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["", *TINY], ["prompt is empty"]),
+        ([PROMPT, *TINY, "--steps", "0"], ["num_inference_steps", "positive"]),
+        ([PROMPT, *TINY, "--frames", "6"], ["num_frames"]),
+        ([PROMPT, *TINY, "--height", "20"], ["multiples of 16"]),
+        ([PROMPT, *TINY, "--guidance", "nan"], ["guidance_scale"]),
+        ([PROMPT, *TINY, "--tenant", "no spaces allowed"], ["tenant"]),
+        ([PROMPT, *TINY, "--policy", "nope"], ["unknown policy 'nope'", "dense"]),
+        ([PROMPT, *TINY, "--device", "potato"], ["device"]),
+    ],
+    ids=["empty-prompt", "steps-0", "frames", "size", "guidance-nan", "tenant", "policy", "device"],
+)
+def test_bad_request(capsys, model_dir, tmp_path, cache, args, words):
+    out_file = tmp_path / "v.mp4"
+    code, out, err = run(capsys, "generate", *args, "--model", model_dir, "--cache-dir", cache, "--out", out_file)
+    assert_user_error(code, err, *words)
+    assert out == "" and not out_file.exists()
+
+
+@pytest.mark.parametrize("name", ["video.avi", "video", "video.mp4.txt"])
+def test_bad_out_extension(capsys, model_dir, tmp_path, cache, name):
+    code, _, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--out", tmp_path / name)
+    assert_user_error(code, err, "--out", ".mp4")
+    assert not cache.exists()  # refused before anything was loaded or created
+
+
+def test_unwritable_out_path(capsys, model_dir, tmp_path, cache):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = run(capsys, "generate", PROMPT, *TINY, "--no-store", "--model", model_dir, "--cache-dir", cache, "--out", blocker / "v.mp4")
+    assert_user_error(code, err, "cannot write")
+
+
+def test_unwritable_cache_dir(capsys, model_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a directory cannot be made under a regular file, even by root
+    code, _, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", blocker / "cache", "--out", tmp_path / "v.mp4")
+    assert_user_error(code, err, "cache directory", "not usable")
+    for action in ("ls", "stats", "verify", "clear"):
+        code, _, err = run(capsys, "cache", action, "--cache-dir", blocker / "cache")
+        assert_user_error(code, err, "not usable")
+
+
+def test_incompatible_cache_version(capsys, model_dir, tmp_path, cache):
+    cache.mkdir()
+    (cache / "VERSION").write_text("carnator-cache 999\n")
+    code, _, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--out", tmp_path / "v.mp4")
+    assert_user_error(code, err, "format version 999")
+    code, _, err = run(capsys, "cache", "ls", "--cache-dir", cache)
+    assert_user_error(code, err, "format version 999")
+    assert (cache / "VERSION").read_text() == "carnator-cache 999\n"  # left alone
+
+
+def test_foreign_version_marker(capsys, tmp_path, cache):
+    cache.mkdir()
+    (cache / "VERSION").write_text("something else entirely\n")
+    code, _, err = run(capsys, "cache", "stats", "--cache-dir", cache)
+    assert_user_error(code, err, "not a carnator cache marker")
+
+
+@pytest.mark.slow
+def test_user_error_in_a_real_process(model_dir, tmp_path):
+    """The installed entry point, in its own process: status 2, one line, no traceback, no loading noise."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CARNATOR_CACHE_DIR": str(tmp_path / "cache")}
+    p = subprocess.run(
+        [sys.executable, "-m", "carnator.cli", "generate", "", *TINY, "--model", str(model_dir), "--out", str(tmp_path / "v.mp4")],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )
+    assert p.returncode == 2, p.stderr
+    assert p.stdout == ""
+    assert p.stderr.strip().splitlines() == ["carnator: error: the prompt is empty"]
+    assert (tmp_path / "cache" / "VERSION").exists()  # the env var chose the cache
+
+
+# ---- generate ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ext", [".mp4", ".gif"])
+def test_generate_writes_decodable_video(capsys, model_dir, tmp_path, cache, ext):
+    out_file = tmp_path / "sub" / f"clip{ext}"
+    code, out, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--out", out_file, "--fps", "4")
+    assert code == 0, err
+    frames = read_video(out_file)
+    assert frames.shape == (5, 16, 16, 3) and frames.dtype == np.uint8
+    assert frames.std() > 1  # not a blank clip
+    assert f"out: {out_file}" in out and "hit: False" in out and "frames: [5, 16, 16, 3]" in out
+    assert "Traceback" not in err and "denoising" not in err  # no bar when stderr is not a terminal
+    assert not list(out_file.parent.glob(".*.part"))  # no temp file left behind
+
+
+def test_generate_json_and_exact_hit(capsys, model_dir, tmp_path, cache):
+    args = ["generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--out", tmp_path / "a.gif", "--json", "--seed", "3"]
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    first = json.loads(out)  # one JSON document, nothing else on stdout
+    assert first["frames"] == [5, 16, 16, 3] and first["hit"] is False and first["exact_hit"] is False
+    assert first["policy"] == "dense" and first["dit_forwards"] == 4 and first["entry_id"]
+    assert {"encode", "dit", "decode", "total"} <= set(first["seconds"])
+
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    again = json.loads(out)
+    assert again["exact_hit"] is True and again["source_id"] == first["entry_id"] and again["dit_forwards"] == 0
+    assert read_video(tmp_path / "a.gif").shape[0] == 5
+
+
+def test_generate_no_store(capsys, model_dir, tmp_path, cache):
+    code, out, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--out", tmp_path / "a.mp4", "--no-store", "--json")
+    assert code == 0, err
+    assert json.loads(out)["entry_id"] is None
+    code, out, _ = run(capsys, "cache", "ls", "--cache-dir", cache)
+    assert out.startswith("0 entries")
+
+
+def test_progress_bar_on_a_terminal(capsys, model_dir, tmp_path, cache, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    base = ["generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--no-store"]
+    code, _, err = run(capsys, *base, "--out", tmp_path / "a.gif")
+    assert code == 0
+    assert "denoising" in err and "/2 [" in err  # tqdm redraws at most every 0.1 s, so which count shows varies
+    code, _, err = run(capsys, *base, "--out", tmp_path / "b.gif", "-q")
+    assert code == 0 and "denoising" not in err
+
+
+# ---- cache -------------------------------------------------------------------------------------
+
+
+def _populate(capsys, model_dir, tmp_path, cache, tenant="default", seed=0):
+    code, out, err = run(
+        capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache,
+        "--out", tmp_path / f"{tenant}-{seed}.gif", "--tenant", tenant, "--seed", seed, "--json",
+    )
+    assert code == 0, err
+    return json.loads(out)["entry_id"]
+
+
+def test_cache_ls_stats_verify_clear(capsys, model_dir, tmp_path, cache):
+    a = _populate(capsys, model_dir, tmp_path, cache, "alice", 1)
+    b = _populate(capsys, model_dir, tmp_path, cache, "bob", 2)
+
+    code, out, err = run(capsys, "cache", "ls", "--cache-dir", cache)
+    assert code == 0, err
+    assert a in out and b in out and PROMPT in out and "2 entries" in out and "seed=1" in out
+    code, out, _ = run(capsys, "cache", "ls", "--cache-dir", cache, "--tenant", "bob")
+    assert b in out and a not in out and "1 entries" in out
+
+    code, out, _ = run(capsys, "cache", "stats", "--cache-dir", cache)
+    assert code == 0
+    assert "entries: 2" in out and "tenant alice: 1 entries" in out and "tenant bob: 1 entries" in out
+    assert "BankStats(" not in out  # readable, not a dataclass repr
+    total = sum(f.stat().st_size for f in (cache / "tensors").glob("*.safetensors"))
+    assert f"bytes: {total}" in out
+
+    code, out, _ = run(capsys, "cache", "verify", "--cache-dir", cache)
+    assert code == 0 and "checked: 2" in out and "quarantined: 0" in out and out.strip().endswith("ok")
+
+    path = cache / "tensors" / f"{a}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, out, err = run(capsys, "cache", "verify", "--cache-dir", cache)
+    assert code == 0
+    assert "checked: 1" in out and "quarantined: 1" in out and f"quarantined: {a}" in out and out.strip().endswith("repaired")
+    assert "Traceback" not in err
+
+    code, out, _ = run(capsys, "cache", "clear", "--cache-dir", cache, "--tenant", "alice")
+    assert "cleared 0 entries of tenant alice" in out  # alice's entry was quarantined already
+    code, out, _ = run(capsys, "cache", "clear", "--cache-dir", cache)
+    assert "cleared 1 entries" in out
+    code, out, _ = run(capsys, "cache", "ls", "--cache-dir", cache)
+    assert out.startswith("0 entries")
+    assert not list((cache / "tensors").glob("*.safetensors"))
+
+
+def test_cache_dir_from_environment(capsys, model_dir, tmp_path, monkeypatch):
+    env_cache = tmp_path / "env-cache"
+    monkeypatch.setenv("CARNATOR_CACHE_DIR", str(env_cache))
+    code, out, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--out", tmp_path / "a.gif", "--json")
+    assert code == 0, err
+    entry = json.loads(out)["entry_id"]
+    code, out, _ = run(capsys, "cache", "ls")
+    assert entry in out and str(env_cache) in out
+
+
+@pytest.mark.slow
+def test_real_processes_with_default_embedder(model_dir, tmp_path):
+    """`carnator generate` then `carnator cache ls` as separate processes, with the real MiniLM embedder."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cache = tmp_path / "cache"
+    out_file = tmp_path / "clip.mp4"
+    gen = subprocess.run(
+        [sys.executable, "-m", "carnator.cli", "generate", PROMPT, *TINY, "--model", str(model_dir), "--cache-dir", str(cache),
+         "--out", str(out_file), "--json"],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )
+    assert gen.returncode == 0, gen.stderr
+    assert "Traceback" not in gen.stderr
+    summary = json.loads(gen.stdout)
+    assert summary["entry_id"] and read_video(out_file).shape == (5, 16, 16, 3)
+    ls = subprocess.run([sys.executable, "-m", "carnator.cli", "cache", "ls", "--cache-dir", str(cache)],
+                        capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert ls.returncode == 0 and summary["entry_id"] in ls.stdout

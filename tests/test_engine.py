@@ -1,0 +1,409 @@
+"""The engine's user-facing behaviour on the offline tiny Wan pipeline.
+
+``Carnator.generate`` with the dense policy must give exactly what the diffusers pipeline gives; an
+identical request must come back from the exact-hit tier without a single transformer call; every
+entry must hold the request's whole trajectory; bad input, bad model paths and a bad cache are
+one-line :class:`CarnatorError` subclasses, never crashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from carnator.backbones import adapter_for
+from carnator.cache import CacheBank
+from carnator.denoise import StepHooks, run_steps, start
+from carnator.embed import TextEmbedder
+from carnator.engine import Carnator
+from carnator.errors import CarnatorError, InvalidRequestError, ModelLoadError
+from carnator.request import to_uint8
+from carnator.testing import tiny_pipeline
+
+PROMPT = "a red ball rolls past a blue cube"
+SEED = 5
+# Small enough to be quick, big enough that both CFG branches and several steps run.
+S = dict(num_frames=5, height=16, width=16, num_inference_steps=3, guidance_scale=5.0)
+STEPS = S["num_inference_steps"]
+
+
+def fake_embedder(dim: int = 32) -> TextEmbedder:
+    """Deterministic hashed bag of words (no model to load)."""
+
+    def encode(texts):
+        out = np.zeros((len(texts), dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            for w in re.findall(r"\w+", t.lower()):
+                out[i, int(hashlib.sha256(w.encode()).hexdigest(), 16) % dim] += 1.0
+            out[i, -1] += 1e-3  # never all-zero
+        return out
+
+    return TextEmbedder(encode, dim, f"hashed-bow-{dim}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: a second intra-op thread costs far more than it gives."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline("wan")
+
+
+@pytest.fixture(scope="module")
+def ref_pipe():
+    """A second, independently built, identical pipeline for reference runs."""
+    return tiny_pipeline("wan")
+
+
+@pytest.fixture(scope="module")
+def ref_video(ref_pipe):
+    gen = torch.Generator("cpu").manual_seed(SEED)
+    return ref_pipe(PROMPT, generator=gen, output_type="np", **S).frames[0]
+
+
+@pytest.fixture
+def engine(pipe, tmp_path):
+    return Carnator(pipe, tmp_path / "cache", embedder=fake_embedder())
+
+
+@pytest.fixture(scope="module")
+def saved_dir(pipe, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-wan")
+    pipe.save_pretrained(d)
+    return d
+
+
+def gen(eng: Carnator, prompt: str = PROMPT, **kw):
+    """``eng.generate`` with this file's request: the dense policy, SEED and the small settings S."""
+    return eng.generate(prompt, **{"seed": SEED, "policy": "dense", **S, **kw})
+
+
+def count_forwards(module: torch.nn.Module):
+    calls = []
+    handle = module.register_forward_hook(lambda *_: calls.append(1))
+    return calls, handle
+
+
+# ---- dense generation ---------------------------------------------------------------------------
+
+
+def test_dense_generate_equals_pipeline(engine, ref_video):
+    steps_seen = []
+    res = gen(engine, progress=lambda done, total: steps_seen.append((done, total)))
+    ref = to_uint8(ref_video)
+    # the tiny model must not saturate, or equality would prove little
+    assert ref.std() > 2 and len(np.unique(ref)) > 20
+    assert res.frames.dtype == np.uint8 and res.frames.shape == (5, 16, 16, 3)
+    np.testing.assert_array_equal(res.frames, ref)
+    assert float(np.abs(res.video - ref_video).max()) <= 1e-6
+    st = res.stats
+    assert st.policy == "dense" and st.hit is False and st.exact_hit is False
+    assert {"encode", "dit", "decode", "total"} <= set(st.timings)
+    assert all(v >= 0 for v in st.timings.values())
+    assert st.timings["total"] >= st.timings["dit"]
+    assert st.dit_forwards == 2 * STEPS  # CFG: two transformer calls a step
+    assert st.entry_id is not None and st.entry_id in engine.bank
+    assert steps_seen == [(i, STEPS) for i in range(1, STEPS + 1)]
+    assert res.request.num_inference_steps == STEPS and res.request.seed == SEED
+
+
+def test_identical_request_is_exact_hit(engine, pipe):
+    first = gen(engine)
+    calls, handle = count_forwards(pipe.transformer)
+    try:
+        again = gen(engine)
+    finally:
+        handle.remove()
+    assert again.stats.exact_hit and again.stats.hit
+    assert again.stats.source_id == first.stats.entry_id
+    assert again.stats.dit_forwards == 0 and calls == []
+    assert again.frames.dtype == np.uint8
+    np.testing.assert_array_equal(again.frames, first.frames)
+    assert engine.bank.get(first.stats.entry_id).use_count == 1
+    assert "total" in again.stats.timings
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(seed=SEED + 1),
+        dict(tenant="other-tenant"),
+        dict(negative_prompt="blurry, low quality"),
+        dict(num_inference_steps=2),
+        dict(guidance_scale=4.0),
+        dict(num_frames=9),
+        dict(prompt=PROMPT + " slowly"),
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_changed_request_is_not_exact_hit(engine, pipe, change):
+    gen(engine)
+    calls, handle = count_forwards(pipe.transformer)
+    try:
+        res = gen(engine, **change)
+    finally:
+        handle.remove()
+    assert not res.stats.exact_hit and not res.stats.hit
+    assert res.stats.dit_forwards > 0 and len(calls) == res.stats.dit_forwards
+    assert len(engine.bank) == 2  # the changed request is an entry of its own
+
+
+def test_store_false_keeps_nothing(engine):
+    res = gen(engine, store=False)
+    assert res.stats.entry_id is None and len(engine.bank) == 0
+    assert not gen(engine, store=False).stats.exact_hit
+
+
+# ---- trajectory capture -------------------------------------------------------------------------
+
+
+def test_entry_stores_whole_trajectory(engine, ref_pipe):
+    res = gen(engine)
+    tensors = engine.bank.load(res.stats.entry_id)
+    assert tensors is not None
+    assert {f"traj.{i}" for i in range(STEPS)} | {"final", "video"} <= set(tensors)
+    assert torch.equal(tensors[f"traj.{STEPS - 1}"], tensors["final"])
+    np.testing.assert_array_equal(tensors["video"].numpy(), res.frames)
+
+    # The latents the loop produced, recorded independently by a hook on a separate pipeline.
+    ad = adapter_for(ref_pipe)
+    req = ad.resolve(PROMPT, seed=SEED, **S)
+    seen: dict[int, torch.Tensor] = {}
+    st = start(ad, req)
+    run_steps(ad, st, ad.encode(req), req, hooks=StepHooks(after_step=lambda i, s: seen.__setitem__(i, s.latents.clone()) or None))
+    assert sorted(seen) == list(range(STEPS))
+    for k in range(STEPS):
+        stored = tensors[f"traj.{k}"]
+        assert stored.dtype == torch.float32 and stored.shape == seen[k].shape
+        assert torch.equal(stored, seen[k].cpu()), f"traj.{k} differs from the loop's latent"
+    assert not torch.equal(tensors["traj.0"], tensors["traj.1"])
+    assert engine.bank.get(res.stats.entry_id).extra["steps"] == STEPS
+
+
+# ---- a damaged cache is a miss, never a crash ---------------------------------------------------
+
+
+def _tensor_file(engine, entry_id):
+    return engine.bank.root / "tensors" / f"{entry_id}.safetensors"
+
+
+def test_corrupt_exact_hit_entry_is_recomputed(engine, caplog):
+    first = gen(engine)
+    path = _tensor_file(engine, first.stats.entry_id)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    again = gen(engine)
+    assert not again.stats.exact_hit and again.stats.dit_forwards == 2 * STEPS
+    np.testing.assert_array_equal(again.frames, first.frames)
+    assert again.stats.entry_id not in (None, first.stats.entry_id)
+    assert first.stats.entry_id not in engine.bank
+    assert any((engine.bank.root / "quarantine").iterdir())
+    # the recomputed entry serves the next identical request
+    assert gen(engine).stats.exact_hit
+
+
+def test_missing_exact_hit_file_is_recomputed(engine):
+    first = gen(engine)
+    _tensor_file(engine, first.stats.entry_id).unlink()
+    again = gen(engine)
+    assert not again.stats.exact_hit
+    np.testing.assert_array_equal(again.frames, first.frames)
+
+
+def test_failed_admission_still_returns_the_video(engine, caplog):
+    """The cache's tensor directory turns into a file (disk trouble): the result is returned, not stored."""
+    tensors = engine.bank.root / "tensors"
+    for f in tensors.iterdir():
+        f.unlink()
+    tensors.rmdir()
+    tensors.write_text("not a directory")
+    res = gen(engine)
+    assert res.frames.shape == (5, 16, 16, 3)
+    assert res.stats.entry_id is None and "store_error" in res.stats.notes
+    assert len(engine.bank) == 0
+    assert "could not store" in caplog.text
+
+
+def test_admission_oserror_is_not_fatal(engine, monkeypatch):
+    def boom(**_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine.bank, "admit", boom)
+    res = gen(engine)
+    assert res.stats.entry_id is None and "No space left" in res.stats.notes["store_error"]
+
+
+def test_cache_of_another_embedder_is_not_fatal(pipe, tmp_path):
+    gen(Carnator(pipe, tmp_path, embedder=fake_embedder(32)))
+    eng = Carnator(pipe, tmp_path, embedder=fake_embedder(16))
+    res = gen(eng, seed=SEED + 1)
+    assert res.stats.entry_id is None and "32-d" in res.stats.notes["store_error"]
+    assert len(eng.bank) == 1
+
+
+# ---- user mistakes ------------------------------------------------------------------------------
+
+
+def test_unknown_policy_lists_available(engine):
+    with pytest.raises(InvalidRequestError) as ei:
+        gen(engine, policy="no-such-policy")
+    msg = str(ei.value)
+    assert "no-such-policy" in msg and "dense" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(prompt=""),
+        dict(prompt="   \n "),
+        dict(num_inference_steps=0),
+        dict(num_inference_steps=-2),
+        dict(num_inference_steps=2.5),
+        dict(num_frames=6),  # Wan needs 4k+1 frames
+        dict(num_frames=0),
+        dict(height=20),  # Wan needs multiples of 16
+        dict(width=24),
+        dict(guidance_scale=float("nan")),
+        dict(guidance_scale=float("inf")),
+        dict(guidance_scale=-1.0),
+        dict(tenant=""),
+        dict(tenant="a tenant with spaces"),
+        dict(tenant="../escape"),
+        dict(seed="7"),
+    ],
+    ids=lambda b: "-".join(f"{k}={v!r}" for k, v in b.items()),
+)
+def test_bad_input_is_one_line_invalid_request(engine, pipe, bad):
+    calls, handle = count_forwards(pipe.transformer)
+    try:
+        with pytest.raises(InvalidRequestError) as ei:
+            gen(engine, **bad)
+    finally:
+        handle.remove()
+    msg = str(ei.value)
+    assert msg and "\n" not in msg
+    assert calls == [] and len(engine.bank) == 0
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def _model_dir(tmp_path, index):
+    d = tmp_path / "model"
+    d.mkdir()
+    if index is not None:
+        (d / "model_index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    return d
+
+
+@pytest.mark.parametrize(
+    "index, words",
+    [
+        (None, "model_index.json"),
+        ({"_class_name": "StableDiffusionPipeline"}, "unsupported pipeline class StableDiffusionPipeline"),
+        ("{not json", "not a valid"),
+        ({"no_class": 1}, "not a valid"),
+        ({"_class_name": "WanPipeline"}, "could not load WanPipeline"),  # index without components
+    ],
+    ids=["no-index", "unsupported", "bad-json", "no-class", "no-components"],
+)
+def test_from_pretrained_bad_dir(tmp_path, index, words):
+    d = _model_dir(tmp_path, index)
+    with pytest.raises(ModelLoadError) as ei:
+        Carnator.from_pretrained(str(d), tmp_path / "cache", device="cpu", embedder=fake_embedder())
+    assert words in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_from_pretrained_missing_path_creates_no_cache(tmp_path):
+    with pytest.raises(ModelLoadError, match="model not found"):
+        Carnator.from_pretrained(str(tmp_path / "nope"), tmp_path / "cache", device="cpu")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_from_pretrained_lists_supported_classes(tmp_path):
+    d = _model_dir(tmp_path, {"_class_name": "StableDiffusionPipeline"})
+    with pytest.raises(ModelLoadError) as ei:
+        Carnator.from_pretrained(d, tmp_path / "cache", device="cpu")
+    assert "WanPipeline" in str(ei.value) and "LTXPipeline" in str(ei.value)
+
+
+@pytest.mark.parametrize("device", ["potato", "cuda:99"])
+def test_from_pretrained_bad_device(saved_dir, tmp_path, device):
+    if device.startswith("cuda") and torch.cuda.device_count() > 99:  # pragma: no cover
+        pytest.skip("machine has that many GPUs")
+    with pytest.raises(ModelLoadError, match="device"):
+        Carnator.from_pretrained(str(saved_dir), tmp_path / "cache", device=device)
+
+
+def test_from_pretrained_bad_cache_dir_fails_before_loading(saved_dir, tmp_path, monkeypatch):
+    import diffusers
+
+    def must_not_load(*a, **k):  # pragma: no cover - the failure under test
+        raise AssertionError("the model was loaded before the cache directory was checked")
+
+    monkeypatch.setattr(diffusers.WanPipeline, "from_pretrained", must_not_load)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CarnatorError, match="not usable"):
+        Carnator.from_pretrained(str(saved_dir), blocker / "cache", device="cpu")
+
+
+def test_from_pretrained_saved_pipeline(saved_dir, tmp_path, engine, ref_video):
+    loaded = Carnator.from_pretrained(str(saved_dir), tmp_path / "cache2", device="cpu", embedder=fake_embedder())
+    assert type(loaded.pipe).__name__ == "WanPipeline"
+    res = gen(loaded)
+    np.testing.assert_array_equal(res.frames, to_uint8(ref_video))
+    # The same weights keep one identity whether built in memory or loaded from any directory.
+    assert loaded.model_identity == engine.model_identity
+
+
+def test_saved_pipeline_shares_cache_with_in_memory_one(saved_dir, pipe, tmp_path):
+    mem = Carnator(pipe, tmp_path / "shared", embedder=fake_embedder())
+    first = gen(mem)
+    disk = Carnator.from_pretrained(str(saved_dir), tmp_path / "shared", device="cpu", embedder=fake_embedder())
+    again = gen(disk)
+    assert again.stats.exact_hit and again.stats.source_id == first.stats.entry_id
+
+
+def test_cache_dir_env_is_honoured(pipe, tmp_path, monkeypatch):
+    target = tmp_path / "from-env"
+    monkeypatch.setenv("CARNATOR_CACHE_DIR", str(target))
+    eng = Carnator(pipe, embedder=fake_embedder())
+    assert eng.bank.root == target
+    res = gen(eng)
+    assert (target / "tensors" / f"{res.stats.entry_id}.safetensors").exists()
+    assert CacheBank(target).get(res.stats.entry_id) is not None
+
+
+def test_open_bank_can_be_passed(pipe, tmp_path):
+    bank = CacheBank(tmp_path / "b")
+    eng = Carnator(pipe, bank, embedder=fake_embedder())
+    assert eng.bank is bank
+
+
+@pytest.mark.slow
+def test_default_embedder_is_minilm(pipe, tmp_path):
+    eng = Carnator(pipe, tmp_path)
+    res = gen(eng)
+    assert res.stats.entry_id is not None
+    assert eng.bank.embed_dim == 384
+    meta = eng.bank.get(res.stats.entry_id)
+    assert meta.embedding.shape == (384,)
+    # semantically close prompts are closer than unrelated ones
+    e = eng.embedder
+    near = float(e(PROMPT) @ e("a red ball rolling past a blue box"))
+    far = float(e(PROMPT) @ e("stock market prices fell sharply today"))
+    assert near > far + 0.2
