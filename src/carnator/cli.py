@@ -109,6 +109,30 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench.run import run_bench
+    from .bench.traces import world_trace
+    from .engine import Carnator
+
+    if args.model != "embedded":
+        raise CarnatorError("bench judges quality with the shapes-world judge; only --model embedded is supported")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    base = _engine(args)
+    for p in policies:
+        base.policy(p)  # unknown names fail here, before any work
+
+    def factory(cache_dir):
+        eng = Carnator(base.pipe, cache_dir, adapter=base.adapter, config=base.config)
+        eng._embedder = base._embedder
+        return eng
+
+    rep = run_bench(factory, world_trace(args.warm, args.test, seed=args.seed), policies, Path(args.out), steps=args.steps)
+    from .bench.run import to_markdown
+
+    print(to_markdown(rep))
+    return 0
+
+
 def _bank(args):
     from .cache import CacheBank, default_cache_dir
 
@@ -186,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--delta-artifact", type=float, default=0.02)
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
     k.set_defaults(func=cmd_calibrate)
+
+    b = sub.add_parser("bench", help="compare policies on one shapes-world trace (warm cache + test stream)")
+    _add_gen_args(b)
+    b.add_argument("--policies", default="dense,nirvana,chorus2,carnator")
+    b.add_argument("--warm", type=int, default=12, help="warm-cache requests W (paper: 1000)")
+    b.add_argument("--test", type=int, default=12, help="test requests S (paper: 300)")
+    b.add_argument("--steps", type=int, default=None)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="carnator-bench")
+    b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("cache", help="inspect or manage the cache")
     c.add_argument("action", choices=["ls", "stats", "verify", "clear"])

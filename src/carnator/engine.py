@@ -156,7 +156,7 @@ class Carnator:
         prompt: str,
         *,
         seed: int,
-        policy: str = "dense",
+        policy: str = "carnator",
         negative_prompt: str | None = None,
         num_inference_steps: int | None = None,
         num_frames: int | None = None,
@@ -197,6 +197,8 @@ class Carnator:
                 return Result(frames=frames, stats=stats, request=req)
         timings["exact_lookup"] = time.perf_counter() - t0
 
+        if self.adapter._controller is not None:
+            self.adapter._controller.reset()  # nothing of the previous request's attention plan leaks
         t0 = time.perf_counter()
         cond = self.adapter.encode(req)
         state = denoise.start(self.adapter, req)
@@ -229,6 +231,7 @@ class Carnator:
 
         if store:
             t0 = time.perf_counter()
+            plan.entry_tensors.update(pol.entry_tensors(ctx))
             stats.entry_id = self._admit(ctx, plan, state, frames, exact_key, stats)
             timings["store"] = time.perf_counter() - t0
         if plan.source_id is not None:

@@ -1,0 +1,1 @@
+"""Traces, runs and reports for comparing policies on the same work."""

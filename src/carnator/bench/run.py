@@ -1,0 +1,104 @@
+"""Run policies over one trace with one engine model, each policy on its own cache, and report.
+
+Per policy: hit rate; E2E and DiT latency and speedup vs dense (whole workload and hits only);
+quality (judge fidelity, artifact) on all requests and on hits; unsafe-hit rate (hits whose
+fidelity falls below dense's by more than Delta, or artifact rises by more than Delta'); cache
+bytes per entry. Results are appended per request to a JSONL file so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from .traces import Trace
+
+
+def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, steps: int | None = None,
+              delta_fidelity: float = 0.1, delta_artifact: float = 0.02, progress=print) -> dict:
+    from ..world.judge import judge
+
+    out.mkdir(parents=True, exist_ok=True)
+    trace.save(out / "trace.json")
+    log_path = out / "requests.jsonl"
+    done: dict[tuple[str, int], dict] = {}
+    if log_path.exists():
+        for line in log_path.read_text().splitlines():
+            r = json.loads(line)
+            done[(r["policy"], r["i"])] = r
+    order = ["dense"] + [p for p in policies if p != "dense"]
+    with open(log_path, "a") as log:
+        for pol in order:
+            cache = out / "caches" / pol
+            if not any(k[0] == pol for k in done) and cache.exists():
+                shutil.rmtree(cache)  # a policy starts from its own fresh warm cache
+            eng = engine_factory(cache)
+            if pol != "dense" and not (cache / ".warm").exists():
+                # Warm phase: the same W requests through the policy itself (misses run dense and
+                # store what the policy records), then the fixed test order.
+                for k, r in enumerate(trace.warm):
+                    eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps)
+                    progress(f"[{pol}] warm {k + 1}/{len(trace.warm)}")
+                (cache / ".warm").write_text("ok")
+            for i, r in enumerate(trace.test):
+                if (pol, i) in done:
+                    continue
+                res = eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, store=pol != "dense")
+                j = judge(res.frames, r.prompt)
+                s = res.stats
+                row = {"policy": pol, "i": i, "kind": r.kind, "hit": s.hit, "exact": s.exact_hit, "resume_step": s.resume_step,
+                       "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0), "fidelity": j.fidelity, "artifact": j.artifact,
+                       "mask_density": s.mask_density, "active_fraction": s.active_fraction}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                done[(pol, i)] = row
+                progress(f"[{pol}] {i + 1}/{len(trace.test)} {r.kind:9s} hit={s.hit} e2e={row['e2e']:.2f}s fid={j.fidelity:.2f}")
+            st = eng.bank.stats()
+            done[(pol, "bytes")] = {"bytes_per_entry": st.bytes / max(st.count, 1)}
+    report = summarize(done, order, len(trace.test), delta_fidelity, delta_artifact)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(to_markdown(report))
+    return report
+
+
+def summarize(done, order, n, dfid, dart) -> dict:
+    dense = {i: done[("dense", i)] for i in range(n)}
+    rep = {"requests": n, "delta_fidelity": dfid, "delta_artifact": dart, "policies": {}}
+    for pol in order:
+        rows = [done[(pol, i)] for i in range(n)]
+        hits = [r for r in rows if r["hit"]]
+        unsafe = [r for r in hits if r["fidelity"] < dense[r["i"]]["fidelity"] - dfid or r["artifact"] > dense[r["i"]]["artifact"] + dart]
+
+        def ratio(key, sel):
+            a = sum(dense[r["i"]][key] for r in sel)
+            b = sum(r[key] for r in sel)
+            return a / b if b > 0 else None
+
+        rep["policies"][pol] = {
+            "hit_rate": len(hits) / n,
+            "workload_e2e_speedup": ratio("e2e", rows), "workload_dit_speedup": ratio("dit", rows),
+            "hit_e2e_speedup": ratio("e2e", hits) if hits else None, "hit_dit_speedup": ratio("dit", hits) if hits else None,
+            "fidelity_all": float(np.mean([r["fidelity"] for r in rows])), "artifact_all": float(np.mean([r["artifact"] for r in rows])),
+            "fidelity_hits": float(np.mean([r["fidelity"] for r in hits])) if hits else None,
+            "dense_fidelity_on_hits": float(np.mean([dense[r["i"]]["fidelity"] for r in hits])) if hits else None,
+            "unsafe_hit_rate": len(unsafe) / len(hits) if hits else None,
+            "bytes_per_entry": done.get((pol, "bytes"), {}).get("bytes_per_entry"),
+        }
+    return rep
+
+
+def to_markdown(rep: dict) -> str:
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = [f"{rep['requests']} test requests; unsafe = fidelity below dense by > {rep['delta_fidelity']} or artifact above by > {rep['delta_artifact']}", "",
+             "| policy | hit rate | workload E2E x | workload DiT x | hit E2E x | hit DiT x | fidelity all | fidelity hits (dense) | artifact all | unsafe hits | MB/entry |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for pol, m in rep["policies"].items():
+        lines.append(f"| {pol} | {f(m['hit_rate'], '{:.0%}')} | {f(m['workload_e2e_speedup'])} | {f(m['workload_dit_speedup'])} | {f(m['hit_e2e_speedup'])} | "
+                     f"{f(m['hit_dit_speedup'])} | {f(m['fidelity_all'])} | {f(m['fidelity_hits'])} ({f(m['dense_fidelity_on_hits'])}) | {f(m['artifact_all'], '{:.3f}')} | "
+                     f"{f(m['unsafe_hit_rate'], '{:.0%}')} | {f(None if m['bytes_per_entry'] is None else m['bytes_per_entry'] / 1e6)} |")
+    return "\n".join(lines) + "\n"
