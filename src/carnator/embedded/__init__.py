@@ -57,7 +57,9 @@ def load_pipeline(device: str | torch.device = "cpu", weights: Path = WEIGHTS, m
     state = load_file(str(weights))
     pipe.transformer.load_state_dict({k[len("transformer."):]: v.float() for k, v in state.items() if k.startswith("transformer.")})
     pipe.text_encoder.load_state_dict({k[len("text_encoder."):]: v.float() for k, v in state.items() if k.startswith("text_encoder.")})
-    pipe.transformer.to(device, dtype).eval()
-    pipe.text_encoder.to(device, dtype).eval()
+    # (.to(dtype) only when needed: diffusers warns on casting Wan's fp32-pinned modules.)
+    for m in (pipe.transformer, pipe.text_encoder):
+        m.to(device) if dtype == torch.float32 else m.to(device, dtype)
+        m.eval()
     pipe.weights_sha256 = digest
     return pipe
