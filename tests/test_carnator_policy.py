@@ -4,29 +4,19 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
-import torch
 
 from carnator import Carnator, EngineConfig
 from carnator.embed import TextEmbedder
 from carnator.errors import CarnatorError
 from carnator.reuse import Thresholds
+from carnator.testing import hashed_embedder
 
 STEPS, RESUME = 8, 5
 
 
 def bag_of_words_embedder() -> TextEmbedder:
-    """Deterministic stand-in for MiniLM: hashed bag of words (recall order by word overlap)."""
-
-    def enc(texts):
-        out = np.zeros((len(texts), 64), np.float32)
-        for i, t in enumerate(texts):
-            for w in t.lower().replace(",", " ").split():
-                out[i, sum(map(ord, w)) % 64] += 1.0
-        return out
-
-    return TextEmbedder(enc, 64, "bow")
+    return hashed_embedder(64)
 
 
 def make_engine(tmp_path, tau: Thresholds | None, **opts) -> Carnator:

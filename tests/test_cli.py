@@ -8,10 +8,8 @@ MiniLM (patched where the engine looks it up); the slow tests run the real thing
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -22,7 +20,7 @@ import torch
 import carnator.embed
 from carnator.cli import main
 from carnator.embed import TextEmbedder
-from carnator.testing import tiny_pipeline
+from carnator.testing import hashed_embedder, tiny_pipeline
 from carnator.video import read_video
 
 PROMPT = "a red ball rolls past a blue cube"
@@ -30,15 +28,7 @@ TINY = ["--frames", "5", "--height", "16", "--width", "16", "--steps", "2", "--g
 
 
 def fake_embedder(dim: int = 32) -> TextEmbedder:
-    def encode(texts):
-        out = np.zeros((len(texts), dim), dtype=np.float32)
-        for i, t in enumerate(texts):
-            for w in re.findall(r"\w+", t.lower()):
-                out[i, int(hashlib.sha256(w.encode()).hexdigest(), 16) % dim] += 1.0
-            out[i, -1] += 1e-3
-        return out
-
-    return TextEmbedder(encode, dim, "hashed-bow")
+    return hashed_embedder(dim)
 
 
 @pytest.fixture(scope="module", autouse=True)

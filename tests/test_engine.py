@@ -8,9 +8,7 @@ one-line :class:`CarnatorError` subclasses, never crashes.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ from carnator.embed import TextEmbedder
 from carnator.engine import Carnator
 from carnator.errors import CarnatorError, InvalidRequestError, ModelLoadError
 from carnator.request import to_uint8
-from carnator.testing import tiny_pipeline
+from carnator.testing import hashed_embedder, tiny_pipeline
 
 PROMPT = "a red ball rolls past a blue cube"
 SEED = 5
@@ -34,16 +32,7 @@ STEPS = S["num_inference_steps"]
 
 def fake_embedder(dim: int = 32) -> TextEmbedder:
     """Deterministic hashed bag of words (no model to load)."""
-
-    def encode(texts):
-        out = np.zeros((len(texts), dim), dtype=np.float32)
-        for i, t in enumerate(texts):
-            for w in re.findall(r"\w+", t.lower()):
-                out[i, int(hashlib.sha256(w.encode()).hexdigest(), 16) % dim] += 1.0
-            out[i, -1] += 1e-3  # never all-zero
-        return out
-
-    return TextEmbedder(encode, dim, f"hashed-bow-{dim}")
+    return hashed_embedder(dim)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -229,3 +229,26 @@ TINY_SETTINGS = {
     "hunyuan": dict(num_frames=9, height=32, width=32, num_inference_steps=3, guidance_scale=6.0),
     "cogvideox": dict(num_frames=9, height=32, width=32, num_inference_steps=3, guidance_scale=6.0),
 }
+
+
+def hashed_embedder(dim: int = 32):
+    """A deterministic recall embedder for tests: a hashed bag of words (no model to load).
+
+    Recall order follows word overlap, so related prompts rank above unrelated ones.
+    """
+    import hashlib
+    import re
+
+    import numpy as np
+
+    from .embed import TextEmbedder
+
+    def encode(texts):
+        out = np.zeros((len(texts), dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            for w in re.findall(r"\w+", t.lower()):
+                out[i, int(hashlib.sha256(w.encode()).hexdigest(), 16) % dim] += 1.0
+            out[i, -1] += 1e-3  # never all-zero
+        return out
+
+    return TextEmbedder(encode, dim, "hashed-bow")
