@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--pool", type=int, default=131072, help="clips rendered and kept on the device")
     ap.add_argument("--refresh", type=int, default=256, help="clips re-rendered into the pool per step")
-    ap.add_argument("--shift", type=float, default=3.0, help="training noise-level shift (Wan/SD3 style)")
+    ap.add_argument("--shift", type=float, default=3.0, help="shift of the logit-normal half of the training noise levels (Wan/SD3 style)")
     ap.add_argument("--sample-shifts", default="2,3", help="sampling flow shifts evaluated; the best is shipped")
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--warmup", type=int, default=300)
@@ -128,10 +128,11 @@ def main() -> int:
             video, ids, mask = pool.batch(args.batch, args.drop)
             x0 = pipe.vae.encode(video)
             noise = torch.randn(x0.shape, device=dev, generator=gen)
-            # Noise levels over the whole range: half uniform, half logit-normal, then shifted towards noise.
+            # Noise levels: half uniform over the whole range (the low levels clean up the last steps), half
+            # logit-normal shifted towards noise, where layout, shape and motion are decided.
             u = torch.rand(x0.shape[0], device=dev, generator=gen)
             ln = torch.sigmoid(torch.randn(x0.shape[0], device=dev, generator=gen))
-            sigma = shifted(torch.where(torch.rand(x0.shape[0], device=dev, generator=gen) < 0.5, u, ln), args.shift)
+            sigma = torch.where(torch.rand(x0.shape[0], device=dev, generator=gen) < 0.5, u, shifted(ln, args.shift))
             s = sigma.view(-1, 1, 1, 1, 1)
             xt = (1 - s) * x0 + s * noise
             target = noise - x0

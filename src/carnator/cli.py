@@ -110,10 +110,21 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from .bench.report import to_markdown, write_html
     from .bench.run import run_bench
     from .bench.traces import world_trace
     from .engine import Carnator
 
+    if args.keep_clips < 0:
+        raise CarnatorError("--keep-clips must be 0 or more")
+    if args.report_only:
+        out = Path(args.out)
+        missing = [f for f in ("report.json", "requests.jsonl", "trace.json") if not (out / f).is_file()]
+        if missing:
+            raise CarnatorError(f"--report-only needs a finished bench directory; {out} lacks {', '.join(missing)}")
+        path = write_html(out)
+        print(f"wrote {path}")
+        return 0
     if args.model != "embedded":
         raise CarnatorError("bench judges quality with the shapes-world judge; only --model embedded is supported")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -126,10 +137,10 @@ def cmd_bench(args) -> int:
         eng._embedder = base._embedder
         return eng
 
-    rep = run_bench(factory, world_trace(args.warm, args.test, seed=args.seed), policies, Path(args.out), steps=args.steps)
-    from .bench.run import to_markdown
-
+    rep = run_bench(factory, world_trace(args.warm, args.test, seed=args.seed), policies, Path(args.out), steps=args.steps,
+                    keep_clips=args.keep_clips)
     print(to_markdown(rep))
+    print(f"report: {Path(args.out) / 'report.html'}")
     return 0
 
 
@@ -218,7 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--test", type=int, default=12, help="test requests S (paper: 300)")
     b.add_argument("--steps", type=int, default=None)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", default="carnator-bench")
+    b.add_argument("--out", default="carnator-bench", help="output folder (trace.json, requests.jsonl, report.json/.md/.html, clips/)")
+    b.add_argument("--keep-clips", type=int, default=4, metavar="N",
+                   help="keep GIF clips of dense and every policy for the first N hits of each policy, shown side by side "
+                        "in report.html (default 4; 0: none)")
+    b.add_argument("--report-only", action="store_true", help="only rewrite report.html from the finished run in --out")
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("cache", help="inspect or manage the cache")

@@ -6,6 +6,7 @@ policies set its fields; the processors read them. Nothing here knows a model fa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,17 @@ class WindowPlan:
 
 
 @dataclass
+class Amplification:
+    """Token-Guided Attention Amplification (the ``chorus`` baseline): in the cond branch's
+    cross-attention, the weights of the text tokens at ``positions`` are multiplied by ``scale`` and
+    each row renormalised, i.e. ``log(scale)`` is added to those logits; at ``steps`` (None = all)."""
+
+    positions: list[int]
+    scale: float
+    steps: range | None = None
+
+
+@dataclass
 class AttentionController:
     """Shared per-request state of the processors."""
 
@@ -82,6 +94,7 @@ class AttentionController:
     # -- applying a reuse plan --
     masks: BlockMaskSet | None = None
     window: WindowPlan | None = None
+    amplify: Amplification | None = None
     lse_chunk: int = 1024
 
     def reset(self) -> None:
@@ -93,6 +106,7 @@ class AttentionController:
         self.sparse = None
         self.masks = None
         self.window = None
+        self.amplify = None
 
     # ---- decisions the processors ask for ------------------------------------------------------
     def recording(self, layer: int) -> bool:
@@ -122,6 +136,21 @@ class AttentionController:
         if m is None or any((self.step, br, layer) not in m for br in self.branches):
             return None
         return torch.stack([m.get(self.step, br, layer, device=device) for br in self.branches])
+
+    def cross_bias(self, kv_len: int, device, dtype) -> torch.Tensor | None:
+        """Additive cross-attention logit bias (B, 1, 1, kv_len) of this forward (TGAA), or None.
+
+        None unless an amplification with a scale other than 1 applies at this step to a cond row,
+        so unamplified attention runs the plain kernel, bit for bit."""
+        a = self.amplify
+        if a is None or a.scale == 1.0 or 0 not in self.branches or (a.steps is not None and self.step not in a.steps):
+            return None
+        pos = [p for p in a.positions if 0 <= p < kv_len]
+        if not pos:
+            return None
+        bias = torch.zeros(len(self.branches), 1, 1, kv_len, dtype=dtype, device=device)
+        bias[self.branches.index(0), 0, 0, pos] = math.log(a.scale)
+        return bias
 
     def in_window(self, layer: int) -> bool:
         return self.window is not None and layer in self.window.layers

@@ -9,7 +9,8 @@ Installed by :func:`apply_carnator_attention`, they compute exactly what diffuse
 - apply a cached block mask to self-attention (block-sparse: FlexAttention on CUDA, exact masked
   SDPA elsewhere);
 - in a window of middle layers, run each block only for the Active tokens, whose self-attention
-  reads the Context tokens (a gather/scatter: the other tokens' hidden states pass unchanged).
+  reads the Context tokens (a gather/scatter: the other tokens' hidden states pass unchanged);
+- amplify the cond branch's cross-attention to chosen text tokens (chorus's TGAA).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class CarnatorWanProcessor:
                 rec.lse = _lse_chunked(rec.q, rec.k, scale, ctrl.lse_chunk)
 
         if self.cross:
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctrl.cross_bias(k.shape[2], q.device, q.dtype))
         else:
             if ctrl.capturing(self.layer) and kv_states is None:
                 ctrl.capture(self.layer, q, k)

@@ -4,6 +4,12 @@ Per policy: hit rate; E2E and DiT latency and speedup vs dense (whole workload a
 quality (judge fidelity, artifact) on all requests and on hits; unsafe-hit rate (hits whose
 fidelity falls below dense's by more than Delta, or artifact rises by more than Delta'); cache
 bytes per entry. Results are appended per request to a JSONL file so an interrupted run resumes.
+
+Outputs in ``out``: trace.json, requests.jsonl, report.json, report.md and report.html (see
+:mod:`carnator.bench.report`). With ``keep_clips=N`` every test request's clip is written as a
+small GIF under ``clips/<policy>/`` while the run goes on; at the end only the clips of the first
+N hits of each non-dense policy are kept, for dense and every policy, so the report can show them
+side by side (a policy added to a finished run later finds those dense clips pruned).
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .report import clip_requests, to_markdown, write_html
 from .traces import Trace
+
+__all__ = ["run_bench", "summarize", "to_markdown", "thumbnail"]
 
 
 def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, steps: int | None = None,
-              delta_fidelity: float = 0.1, delta_artifact: float = 0.02, progress=print) -> dict:
+              delta_fidelity: float = 0.1, delta_artifact: float = 0.02, keep_clips: int = 0, progress=print) -> dict:
+    from ..video import write_video
     from ..world.judge import judge
 
     out.mkdir(parents=True, exist_ok=True)
@@ -52,6 +62,10 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 row = {"policy": pol, "i": i, "kind": r.kind, "hit": s.hit, "exact": s.exact_hit, "resume_step": s.resume_step,
                        "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0), "fidelity": j.fidelity, "artifact": j.artifact,
                        "mask_density": s.mask_density, "active_fraction": s.active_fraction}
+                if keep_clips > 0:
+                    rel = f"clips/{pol}/{i:04d}.gif"
+                    write_video(thumbnail(res.frames), out / rel)
+                    row["clip"] = rel
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 done[(pol, i)] = row
@@ -59,9 +73,34 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
             st = eng.bank.stats()
             done[(pol, "bytes")] = {"bytes_per_entry": st.bytes / max(st.count, 1)}
     report = summarize(done, order, len(trace.test), delta_fidelity, delta_artifact)
+    rows = [done[(pol, i)] for pol in order for i in range(len(trace.test))]
+    if keep_clips > 0:
+        prune_clips(out, rows, order, keep_clips)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(to_markdown(report))
+    write_html(out, report, rows, [r.prompt for r in trace.test])
     return report
+
+
+def thumbnail(frames: np.ndarray, max_side: int = 128, max_frames: int = 32) -> np.ndarray:
+    """A small copy of a clip for the report: every k-th frame and pixel so it fits the limits."""
+    frames = np.asarray(frames)
+    ft = -(-frames.shape[0] // max_frames)
+    fs = -(-max(frames.shape[1:3]) // max_side)
+    return np.ascontiguousarray(frames[::ft, ::fs, ::fs])
+
+
+def prune_clips(out: Path, rows: list[dict], order: list[str], n: int) -> list[int]:
+    """Delete kept clips except those of :func:`~carnator.bench.report.clip_requests` (all policies)."""
+    keep = set(clip_requests(rows, order, n))
+    for pol in order:
+        d = out / "clips" / pol
+        if not d.is_dir():
+            continue
+        for f in d.glob("*.gif"):
+            if not f.stem.isdigit() or int(f.stem) not in keep:
+                f.unlink()
+    return sorted(keep)
 
 
 def summarize(done, order, n, dfid, dart) -> dict:
@@ -84,21 +123,9 @@ def summarize(done, order, n, dfid, dart) -> dict:
             "fidelity_all": float(np.mean([r["fidelity"] for r in rows])), "artifact_all": float(np.mean([r["artifact"] for r in rows])),
             "fidelity_hits": float(np.mean([r["fidelity"] for r in hits])) if hits else None,
             "dense_fidelity_on_hits": float(np.mean([dense[r["i"]]["fidelity"] for r in hits])) if hits else None,
+            "artifact_hits": float(np.mean([r["artifact"] for r in hits])) if hits else None,
+            "dense_artifact_on_hits": float(np.mean([dense[r["i"]]["artifact"] for r in hits])) if hits else None,
             "unsafe_hit_rate": len(unsafe) / len(hits) if hits else None,
             "bytes_per_entry": done.get((pol, "bytes"), {}).get("bytes_per_entry"),
         }
     return rep
-
-
-def to_markdown(rep: dict) -> str:
-    def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-
-    lines = [f"{rep['requests']} test requests; unsafe = fidelity below dense by > {rep['delta_fidelity']} or artifact above by > {rep['delta_artifact']}", "",
-             "| policy | hit rate | workload E2E x | workload DiT x | hit E2E x | hit DiT x | fidelity all | fidelity hits (dense) | artifact all | unsafe hits | MB/entry |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for pol, m in rep["policies"].items():
-        lines.append(f"| {pol} | {f(m['hit_rate'], '{:.0%}')} | {f(m['workload_e2e_speedup'])} | {f(m['workload_dit_speedup'])} | {f(m['hit_e2e_speedup'])} | "
-                     f"{f(m['hit_dit_speedup'])} | {f(m['fidelity_all'])} | {f(m['fidelity_hits'])} ({f(m['dense_fidelity_on_hits'])}) | {f(m['artifact_all'], '{:.3f}')} | "
-                     f"{f(m['unsafe_hit_rate'], '{:.0%}')} | {f(None if m['bytes_per_entry'] is None else m['bytes_per_entry'] / 1e6)} |")
-    return "\n".join(lines) + "\n"
