@@ -367,3 +367,36 @@ def test_gather_scatter_round_trip():
     assert bool((y[:, idx] == 0).all()) and torch.equal(y[:, 0], x[:, 0])
     x4 = _randn(1, 2, 10, 3, seed=36)
     assert torch.equal(gather_tokens(x4, idx), x4[:, :, idx])
+
+
+def test_nearest_mask_serves_the_steps_between_recorded_ones():
+    from carnator.attention.controller import AttentionController, SparseConfig
+
+    g = torch.Generator().manual_seed(3)
+    ms = BlockMaskSet.empty(num_heads=2, q_len=40, kv_len=40, block=8)
+    m0, m5 = (torch.rand(2, 5, 5, generator=g) < 0.5 for _ in range(2))
+    ms.add(0, 0, 1, m0)
+    ms.add(5, 0, 1, m5)
+    assert ms.nearest(3, 0, 1) == (0, 0, 1)
+    assert ms.nearest(5, 0, 1) == (5, 0, 1)
+    assert ms.nearest(49, 0, 1) == (5, 0, 1)
+    assert ms.nearest(-1, 0, 1) is None      # before the first recorded step
+    assert ms.nearest(3, 1, 1) is None       # other branch never recorded
+    assert ms.nearest(3, 0, 0) is None       # other layer never recorded
+    # the packed device copy unpacks to the same masks as get()
+    dev = ms.to_device("cpu")
+    assert torch.equal(ms.unpack(dev[(5, 0, 1)]), ms.get(5, 0, 1))
+    # the controller applies step 0's mask at steps 1..4 and step 5's from 5 on
+    ctrl = AttentionController()
+    ctrl.use_masks(ms, "cpu")
+    ctrl.branches = (0,)
+    ctrl.step = 4
+    assert torch.equal(ctrl.cached_mask(1, "cpu")[0], m0)
+    ctrl.step = 7
+    assert torch.equal(ctrl.cached_mask(1, "cpu")[0], m5)
+    assert ctrl.cached_mask(0, "cpu") is None
+    # a capture stride of 2 records only even steps
+    ctrl.sparse = SparseConfig(block=8, p=0.9, stride=2)
+    assert [s for s in range(5) if (setattr(ctrl, "step", s) or ctrl.capturing(1))] == [0, 2, 4]
+    with pytest.raises(ValueError):
+        SparseConfig(p=0.0)

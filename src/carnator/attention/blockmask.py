@@ -19,6 +19,7 @@ Reuse: ``masks.get(step, branch, layer)`` and :func:`carnator.attention.masked_a
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from collections.abc import Iterator, Mapping
@@ -295,6 +296,7 @@ class BlockMaskSet:
     _row_of_digest: dict[bytes, int] = field(default_factory=dict, repr=False)
     _index: dict[MaskKey, list[int]] = field(default_factory=dict, repr=False)
     _ones: dict[MaskKey, int] = field(default_factory=dict, repr=False)  # set bits per key
+    _steps_of: dict[tuple[int, int], list[int]] | None = field(default=None, repr=False)  # (branch, layer) -> steps
 
     FORMAT = 1
 
@@ -329,6 +331,7 @@ class BlockMaskSet:
             rows.append(row)
         self._index[key] = rows
         self._ones[key] = int(m.sum())
+        self._steps_of = None
 
     def get(self, step: int, branch: int, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The ``(H, nq, nk)`` bool mask of (step, branch, layer); KeyError if it was not recorded."""
@@ -336,6 +339,37 @@ class BlockMaskSet:
         packed = torch.stack([self._rows[r] for r in rows])
         if device is not None:
             packed = packed.to(device)
+        return _unpack_rows(packed, self.nq * self.nk).view(self.mask_shape)
+
+    def nearest(self, step: int, branch: int, layer: int) -> MaskKey | None:
+        """The recorded key of (``branch``, ``layer``) with the latest step <= ``step``, or None.
+
+        Masks recorded every few steps (``SparseConfig.stride``) serve the steps in between.
+        """
+        if self._steps_of is None:
+            by: dict[tuple[int, int], list[int]] = {}
+            for s, b, ly in self._index:
+                by.setdefault((b, ly), []).append(s)
+            self._steps_of = {k: sorted(v) for k, v in by.items()}
+        steps = self._steps_of.get((int(branch), int(layer)))
+        if not steps:
+            return None
+        i = bisect.bisect_right(steps, int(step)) - 1
+        return (steps[i], int(branch), int(layer)) if i >= 0 else None
+
+    def to_device(self, device: torch.device | str) -> dict[MaskKey, torch.Tensor]:
+        """Every mask's packed head rows on ``device`` in one copy: ``{key: (H, nbytes) uint8}``.
+
+        Unpack one with :meth:`unpack` where it is used (cheap on the device; keeps device memory at
+        the packed size, 1/8 of the bool masks).
+        """
+        if not self._rows:
+            return {}
+        rows = torch.stack(self._rows).to(device)
+        return {key: rows[torch.as_tensor(idx, device=rows.device)] for key, idx in self._index.items()}
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``(H, nbytes)`` packed rows (from :meth:`to_device`) -> ``(H, nq, nk)`` bool, on their device."""
         return _unpack_rows(packed, self.nq * self.nk).view(self.mask_shape)
 
     def __contains__(self, key: object) -> bool:
@@ -393,6 +427,7 @@ class BlockMaskSet:
         for key, rows in zip(keys, tensors[f"{prefix}index"].tolist()):
             out._index[tuple(key)] = rows
             out._ones[tuple(key)] = int(sum(ones_per_row[r] for r in rows))
+        out._steps_of = None
         return out
 
     def meta(self) -> dict[str, object]:

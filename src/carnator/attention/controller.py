@@ -22,6 +22,9 @@ class SparseConfig:
         embedded model (512 tokens) uses 32 so a mask has 16 x 16 blocks.
     p: fraction of each query block's attention mass its kept key blocks must cover.
     steps: which denoising steps are captured ("all", or a list); layers: which layers (None = all).
+    stride: capture only every ``stride``-th step (step % stride == 0); a reuse at a step without its
+        own mask uses the latest earlier recorded step's. 1 records every step; larger strides make
+        entries smaller (Wan2.1-1.3B, 480p: 8 KiB per head mask, 720 head masks per step).
     Block mass is estimated from mean-pooled Q and K blocks (:func:`estimate_block_mass`), which
     costs (N / block)^2 per head instead of a dense pass.
     """
@@ -30,6 +33,13 @@ class SparseConfig:
     p: float = 0.9
     steps: str | list[int] = "all"
     layers: list[int] | None = None
+    stride: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.p <= 1.0):
+            raise ValueError(f"SparseConfig.p must be in (0, 1], got {self.p}")
+        if self.block <= 0 or self.stride <= 0:
+            raise ValueError("SparseConfig.block and stride must be positive")
 
 
 @dataclass
@@ -96,6 +106,7 @@ class AttentionController:
     window: WindowPlan | None = None
     amplify: Amplification | None = None
     lse_chunk: int = 1024
+    _device_masks: dict | None = field(default=None, repr=False)
 
     def reset(self) -> None:
         self.step, self.branches = 0, (0,)
@@ -105,8 +116,14 @@ class AttentionController:
         self.captured = None
         self.sparse = None
         self.masks = None
+        self._device_masks = None
         self.window = None
         self.amplify = None
+
+    def use_masks(self, masks: BlockMaskSet | None, device=None) -> None:
+        """Apply ``masks`` from now on; with ``device``, copy them (packed) there now, else on first use."""
+        self.masks = masks
+        self._device_masks = None if masks is None or device is None else masks.to_device(device)
 
     # ---- decisions the processors ask for ------------------------------------------------------
     def recording(self, layer: int) -> bool:
@@ -117,6 +134,8 @@ class AttentionController:
         if s is None:
             return False
         if s.layers is not None and layer not in s.layers:
+            return False
+        if self.step % s.stride:
             return False
         return s.steps == "all" or self.step in s.steps
 
@@ -133,9 +152,14 @@ class AttentionController:
     def cached_mask(self, layer: int, device) -> torch.Tensor | None:
         """The reuse plan's block mask for this forward, (B, H, nq, nk), or None to run dense."""
         m = self.masks
-        if m is None or any((self.step, br, layer) not in m for br in self.branches):
+        if m is None:
             return None
-        return torch.stack([m.get(self.step, br, layer, device=device) for br in self.branches])
+        keys = [m.nearest(self.step, br, layer) for br in self.branches]
+        if any(k is None for k in keys):
+            return None
+        if self._device_masks is None:
+            self._device_masks = m.to_device(device)
+        return torch.stack([m.unpack(self._device_masks[k]) for k in keys])
 
     def cross_bias(self, kv_len: int, device, dtype) -> torch.Tensor | None:
         """Additive cross-attention logit bias (B, 1, 1, kv_len) of this forward (TGAA), or None.

@@ -103,7 +103,7 @@ class Chorus2Policy(Policy):
             return Plan()
         if masks.q_len != n_tokens:
             return Plan()
-        ctrl.masks = masks
+        ctrl.use_masks(masks, ctx.state.latents.device)
         return Plan(hit=True, source_id=meta.id, resume_step=0, mask_density=masks.density, notes={"similarity": float(sim)})
 
     def entry_tensors(self, ctx):

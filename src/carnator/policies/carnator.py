@@ -141,7 +141,7 @@ class CarnatorPolicy(Policy):
         n_tokens = int(np.prod(ad.token_grid(req)))
         # Small token counts (the embedded model: 512) get blocks of N/16 so a mask has 16 x 16 blocks.
         blk = cfg.sparse.block if cfg.sparse.block * 8 <= n_tokens else max(8, n_tokens // 16)
-        ctrl.sparse = SparseConfig(block=blk, p=cfg.sparse.p, steps=cfg.sparse.steps, layers=cfg.sparse.layers)
+        ctrl.sparse = SparseConfig(block=blk, p=cfg.sparse.p, steps=cfg.sparse.steps, layers=cfg.sparse.layers, stride=cfg.sparse.stride)
         nouns = extract_nouns(req.prompt)
 
         t0 = time.perf_counter()
@@ -220,13 +220,12 @@ class CarnatorPolicy(Policy):
         density = None
         if cfg.reuse_masks:
             try:
-                ctrl.masks = BlockMaskSet.from_tensors(tensors, MASK_PREFIX)
-                density = ctrl.masks.density
-                if ctrl.masks.q_len != int(np.prod(grid)):
-                    ctrl.masks = None
-                    density = None
+                masks = BlockMaskSet.from_tensors(tensors, MASK_PREFIX)
+                if masks.q_len == int(np.prod(grid)):
+                    ctrl.use_masks(masks, dev)
+                    density = masks.density
             except (KeyError, ValueError):
-                ctrl.masks = None
+                ctrl.use_masks(None)
         return Plan(
             hit=True, source_id=meta.id, resume_step=r, init_latents=traj[r - 1], hooks=StepHooks(after_step=after_step),
             active_fraction=float(scope.active.mean()), mask_density=density,
