@@ -144,6 +144,30 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_scale(args) -> int:
+    import torch
+
+    from .bench.scale import SPECS, ScaleConfig, run_scale, to_markdown
+
+    if args.model not in SPECS:
+        raise CarnatorError(f"unknown size {args.model!r}; available: {', '.join(SPECS)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CarnatorError("bench-scale measures speed on a CUDA GPU and none is available here (--device cpu runs the tiny-wan smoke test)")
+    try:
+        dens = tuple(float(x) for x in args.densities.split(","))
+    except ValueError:
+        raise CarnatorError(f"--densities must be comma-separated numbers, got {args.densities!r}") from None
+    if not all(0 < d <= 1 for d in dens):
+        raise CarnatorError("--densities must lie in (0, 1]")
+    if not 0 < args.active_fraction <= 1:
+        raise CarnatorError("--active-fraction must lie in (0, 1]")
+    cfg = ScaleConfig(model=args.model, frames=args.frames, steps=args.steps, densities=dens, active_fraction=args.active_fraction,
+                      resume_step=args.resume_step, mask_stride=args.mask_stride, kernels=not args.no_kernels, device=args.device)
+    rep = run_scale(cfg, Path(args.out))
+    print(to_markdown(rep))
+    return 0
+
+
 def _bank(args):
     from .cache import CacheBank, default_cache_dir
 
@@ -235,6 +259,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "in report.html (default 4; 0: none)")
     b.add_argument("--report-only", action="store_true", help="only rewrite report.html from the finished run in --out")
     b.set_defaults(func=cmd_bench)
+
+    z = sub.add_parser("bench-scale", help="real-size speed on a CUDA GPU: dense vs replayed carnator hits, and kernels")
+    z.add_argument("model", nargs="?", default="wan2.1-1.3b", help="wan2.1-1.3b, wan2.1-1.3b-720p, wan2.2-ti2v-5b, or tiny-wan (smoke)")
+    z.add_argument("--frames", type=int, default=None, help="fewer frames than the model's default (state it when reporting)")
+    z.add_argument("--steps", type=int, default=50)
+    z.add_argument("--densities", default="0.1,0.2,0.3,0.5", help="block-mask densities of the replayed hits")
+    z.add_argument("--active-fraction", type=float, default=0.3, help="Active share of tokens in the replayed plan")
+    z.add_argument("--resume-step", type=int, default=20)
+    z.add_argument("--mask-stride", type=int, default=5, help="masks recorded every N steps")
+    z.add_argument("--no-kernels", action="store_true", help="skip the kernel microbenchmark")
+    z.add_argument("--device", default="cuda")
+    z.add_argument("--out", default="carnator-bench-scale")
+    z.set_defaults(func=cmd_bench_scale)
 
     c = sub.add_parser("cache", help="inspect or manage the cache")
     c.add_argument("action", choices=["ls", "stats", "verify", "clear"])

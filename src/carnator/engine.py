@@ -142,6 +142,14 @@ class Carnator:
             self._policies[name] = klass(**self.config.policy_options.get(name, {}))
         return self._policies[name]
 
+    def use_policy(self, policy) -> None:
+        """Make a policy instance available as ``generate(..., policy=policy.name)`` (a custom policy,
+        or a registered one with non-default settings); it replaces any earlier one of that name."""
+        name = getattr(policy, "name", None)
+        if not isinstance(name, str) or not callable(getattr(policy, "plan", None)):
+            raise InvalidRequestError("use_policy needs a Policy instance (with a name and a plan method)")
+        self._policies[name] = policy
+
     def compat_key(self, req: Request) -> str:
         from .cache import compat_key
 
