@@ -23,7 +23,7 @@ import numpy as np
 from .report import clip_requests, to_markdown, write_html
 from .traces import Trace
 
-__all__ = ["run_bench", "summarize", "to_markdown", "thumbnail"]
+__all__ = ["run_bench", "summarize", "thumbnail", "to_markdown"]
 
 
 def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, steps: int | None = None,

@@ -37,7 +37,7 @@ class Trace:
         Path(path).write_text(json.dumps({"warm": [asdict(r) for r in self.warm], "test": [asdict(r) for r in self.test]}, indent=1))
 
     @classmethod
-    def load(cls, path: Path) -> "Trace":
+    def load(cls, path: Path) -> Trace:
         d = json.loads(Path(path).read_text())
         return cls([TraceRequest(**r) for r in d["warm"]], [TraceRequest(**r) for r in d["test"]])
 

@@ -1,0 +1,218 @@
+"""The bench's HTML report (plots, every number, side-by-side clips) and the recall statistics script.
+
+``run_bench`` runs here on a fake engine (scripted hits, tiny frames) and a fake judge, so the
+test checks the bench's bookkeeping, clip keeping and report without generating video.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import html
+import importlib.util
+import io
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from carnator.bench.report import (
+    METRICS,
+    PLOT_TITLES,
+    clip_requests,
+    fmt,
+    render_html,
+    to_markdown,
+    write_html,
+)
+from carnator.bench.run import run_bench, thumbnail
+from carnator.bench.traces import Trace, TraceRequest
+from carnator.cli import main
+
+EVIL = "a red ball <script>alert('x')</script> & a \"blue\" box"
+TEST_PROMPTS = ["a red ball on grass", "a red ball on snow", EVIL, "a blue box at night", "a red box on grass", "a green star"]
+#: Which test requests each policy hits (by index), scripted.
+HITS = {"nirvana": {1, 2, 4, 5}, "carnator": {3}, "dense": set()}
+
+
+class FakeEngine:
+    def __init__(self, cache_dir: Path):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        self.bank = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2))
+
+    def generate(self, prompt, *, seed, policy, num_inference_steps=None, store=True):
+        i = TEST_PROMPTS.index(prompt) if prompt in TEST_PROMPTS else None
+        hit = i is not None and i in HITS[policy]
+        frames = np.zeros((4, 8, 8, 3), np.uint8)
+        for t in range(4):  # a moving square, so the GIF keeps 4 distinct frames
+            frames[t, 2:6, t:t + 4] = (40 * (i or 0), 200, 17 * len(policy))
+        stats = SimpleNamespace(hit=hit, exact_hit=False, resume_step=20 if hit else None, mask_density=None, active_fraction=None,
+                                timings={"total": 1.0 if hit else 2.0, "dit": 0.5 if hit else 1.5})
+        return SimpleNamespace(frames=frames, stats=stats)
+
+
+def fake_judge(frames, prompt):
+    return SimpleNamespace(fidelity=float(frames[0, 3, 3, 0]) / 255, artifact=float(frames[0, 3, 3, 2]) / 2550)
+
+
+@pytest.fixture
+def bench(tmp_path, monkeypatch):
+    # carnator.world re-exports the function judge under the submodule's name: patch the module itself
+    monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge", fake_judge)
+    trace = Trace([TraceRequest("a red ball on grass", 1, "warm"), TraceRequest("a blue box", 2, "warm")],
+                  [TraceRequest(p, 10 + k, "noun") for k, p in enumerate(TEST_PROMPTS)])
+    out = tmp_path / "bench"
+    rep = run_bench(FakeEngine, trace, ["dense", "nirvana", "carnator"], out, keep_clips=2, progress=lambda *_: None)
+    return out, rep
+
+
+def _table(page: str, table_id: str) -> str:
+    m = re.search(f"<table id={table_id}>(.*?)</table>", page, re.DOTALL)
+    assert m, table_id
+    return m.group(1)
+
+
+def test_bench_writes_one_page_with_plots_numbers_and_clips(bench):
+    out, rep = bench
+    page = (out / "report.html").read_text()
+    assert rep["policies"]["nirvana"]["hit_rate"] == pytest.approx(4 / 6)
+    assert rep["policies"]["nirvana"]["hit_e2e_speedup"] == pytest.approx(2.0)
+
+    # one PNG per plot, each a real image
+    pngs = re.findall(r"<img alt='([^']*)' title='[^']*' src='data:image/png;base64,([A-Za-z0-9+/=]+)'>", page)
+    assert [t for t, _ in pngs] == list(PLOT_TITLES)
+    for _, b64 in pngs:
+        im = Image.open(io.BytesIO(base64.b64decode(b64)))
+        assert im.format == "PNG" and im.size[0] > 200
+
+    # every number of report.json in the table, formatted the table's way, one row per policy
+    table = _table(page, "numbers")
+    saved = json.loads((out / "report.json").read_text())
+    assert saved == rep
+    for pol, m in rep["policies"].items():
+        row = re.search(f"<tr><td class=l>{pol}</td>(.*?)</tr>", table).group(1)
+        cells = re.findall(r"<td>(.*?)</td>", row)
+        assert cells[: len(METRICS)] == [html.escape(fmt(m[k])) for k, _ in METRICS]
+    assert "<td>0.6667</td>" in table and "<td>1.5e+06</td>" in table
+
+    # the prompt with markup is escaped everywhere; the page runs no script at all
+    assert "<script" not in page
+    assert html.escape(EVIL) in page
+
+    # clips: first 2 hits of nirvana (1, 2) and of carnator (3); dense and every policy for each
+    assert clip_requests([r for r in map(json.loads, (out / "requests.jsonl").read_text().splitlines())],
+                         ["dense", "nirvana", "carnator"], 2) == [1, 2, 3]
+    for pol in ("dense", "nirvana", "carnator"):
+        assert sorted(p.name for p in (out / "clips" / pol).glob("*.gif")) == ["0001.gif", "0002.gif", "0003.gif"]
+    gifs = re.findall(r"src='data:image/gif;base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(gifs) == 9
+    im = Image.open(io.BytesIO(base64.b64decode(gifs[0])))
+    assert im.format == "GIF" and getattr(im, "n_frames", 1) == 4
+    assert page.count("<div class=clips>") == 3
+    assert "hit, resume step 20" in page and "miss (ran dense)" in page
+
+
+def test_report_rewritten_from_disk_and_markdown_unchanged(bench):
+    out, rep = bench
+    first = (out / "report.html").read_text()
+    (out / "report.html").unlink()
+    write_html(out)
+    assert (out / "report.html").read_text() == first
+    md = (out / "report.md").read_text()
+    assert md == to_markdown(rep) and "| nirvana | 67% |" in md
+
+
+def test_no_clips_and_missing_values():
+    rep = {"requests": 2, "delta_fidelity": 0.1, "delta_artifact": 0.02, "policies": {
+        "dense": {k: None for k, _ in METRICS} | {"hit_rate": 0.0, "fidelity_all": 0.5, "artifact_all": 0.1},
+        "carnator": {k: None for k, _ in METRICS} | {"hit_rate": 0.0, "fidelity_all": 0.5, "artifact_all": 0.1},
+    }}
+    page = render_html(rep, [], [], None)
+    assert page.count("data:image/png;base64,") == len(PLOT_TITLES)
+    assert "No clips were kept" in page and "data:image/gif" not in page
+    assert "<td>-</td>" in _table(page, "numbers")
+
+
+def test_thumbnail_limits():
+    big = np.zeros((100, 704, 1280, 3), np.uint8)
+    t = thumbnail(big)
+    assert t.shape[0] <= 32 and max(t.shape[1:3]) <= 128 and t.flags.c_contiguous
+    small = np.zeros((16, 64, 64, 3), np.uint8)
+    assert thumbnail(small).shape == small.shape
+
+
+def test_cli_report_only(bench, capsys, tmp_path):
+    out, _ = bench
+    (out / "report.html").unlink()
+    assert main(["bench", "--out", str(out), "--report-only"]) == 0
+    assert (out / "report.html").exists() and "wrote" in capsys.readouterr().out
+    assert main(["bench", "--out", str(tmp_path / "nothing"), "--report-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("carnator: error: --report-only") and "report.json" in err[0]
+    assert main(["bench", "--out", str(out), "--keep-clips", "-1"]) == 2
+
+
+# ---- recall statistics ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "recall_stats.py"
+    spec = importlib.util.spec_from_file_location("recall_stats", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["recall_stats"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_recall_stats_known_counts():
+    rs = _script()
+    # hand-made unit vectors: cosines are exact
+    vec = {
+        "w-cat-sofa": [1, 0, 0], "w-dog-park": [0, 1, 0], "w-car-road": [0, 0, 1],
+        "t-cat-bed": [0.8, 0.6, 0],         # best: cat-sofa 0.8 (gate), one substitution sofa -> bed
+        "t-dog-park-ball": [0.6, 0.8, 0],   # best: dog-park 0.8 (gate), nouns differ by an addition (fail)
+        "t-car-road": [0, 0.5, np.sqrt(0.75)],  # best: car-road 0.866, identical nouns
+        "t-cat-sofa-far": [0.5, np.sqrt(0.75), 0],  # best: dog-park 0.866 (fails nouns); 2nd cat-sofa 0.5 passes
+    }
+    nouns = {
+        "w-cat-sofa": ["cat", "sofa"], "w-dog-park": ["dog", "park"], "w-car-road": ["car", "road"],
+        "t-cat-bed": ["cat", "bed"], "t-dog-park-ball": ["dog", "park", "ball"], "t-car-road": ["Car", "road", "car"],
+        "t-cat-sofa-far": ["cat", "sofa"],
+    }
+
+    def embed(texts):
+        return np.asarray([vec[t] for t in texts], dtype=np.float64)
+
+    warm = ["w-cat-sofa", "w-dog-park", "w-car-road"]
+    test = ["t-cat-bed", "t-dog-park-ball", "t-car-road", "t-cat-sofa-far"]
+    s = rs.recall_stats(warm, test, embed, nouns.__getitem__, k=2)
+    assert s["n"] == 4 and s["k"] == 2
+    assert json.loads(json.dumps(s))["gate_pass"] == 4  # plain Python numbers, JSON-ready
+    assert s["gate_pass"] == 4
+    assert s["top1_noun_pass"] == 2 and s["top1_noun_identical"] == 1 and s["top1_noun_substitution"] == 1
+    assert s["gate_and_top1_noun"] == 2
+    assert s["topk_any_noun_pass"] == 3 and s["topk_any_noun_pass_gated"] == 2
+    assert s["topk_candidates_passing"] == 3 and s["topk_candidates"] == 8
+    assert s["best_cos_quantiles"][100] == pytest.approx(np.sqrt(0.75))
+    assert sum(s["best_cos_hist"].values()) == 4 and s["best_cos_hist"]["[0.75,0.85)"] == 2 and s["best_cos_hist"]["[0.85,0.90)"] == 2
+    # a higher gate: only the two 0.866 prompts pass
+    assert rs.recall_stats(warm, test, embed, nouns.__getitem__, k=2, gate=0.85)["gate_pass"] == 2
+    assert "| text gate passes (top-1 cosine >= 0.65) | 100.0 % | 100.0 % |" in rs.markdown({0: s}, s)
+
+
+def test_recall_traces_are_disjoint(tmp_path):
+    rs = _script()
+    f = tmp_path / "p.tsv"
+    f.write_text("uuid\ttopic\tprompt\n" + "".join(f"u{i}\tt{i % 3}\tprompt number {i % 40}\n" for i in range(50)))
+    prompts, topics = rs.dedupe(*rs.read_prompts(f))
+    assert len(prompts) == 40 and topics[:3] == ["t0", "t1", "t2"]
+    w, t = rs.split(len(prompts), 30, 10, seed=1)
+    assert len(set(w) | set(t)) == 40 and not set(w) & set(t)
+    with pytest.raises(ValueError, match="distinct prompts"):
+        rs.split(len(prompts), 30, 11, seed=1)
