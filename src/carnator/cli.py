@@ -21,8 +21,19 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
+def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
+    from .intra_cache import describe_kinds
+
+    p.add_argument(
+        "--intra-cache", default=None, metavar="KIND[:OPT=VAL,...]",
+        help="also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
+             f"Kinds (options, defaults): {describe_kinds()}. Ranges are LO..HI; mag ratios R0/R1/... or @file.json. "
+             "See docs/METHOD.md.",
+    )
+
+
 def _engine(args):
-    from .engine import Carnator
+    from .engine import Carnator, EngineConfig
 
     if not args.verbose:  # loading bars from diffusers/transformers would bury carnator's own output
         import diffusers
@@ -30,6 +41,12 @@ def _engine(args):
 
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
+    intra = getattr(args, "intra_cache", None)
+    if intra is not None:
+        from .intra_cache import IntraCacheSpec
+
+        IntraCacheSpec.parse(intra)  # a bad kind or option fails before the model loads
+        return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device, config=EngineConfig(intra_cache=intra))
     return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device)
 
 
@@ -225,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-store", action="store_true", help="do not add the result to the cache")
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_intra_cache_arg(g)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="a short stream of related requests through the carnator policy")
@@ -258,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep GIF clips of dense and every policy for the first N hits of each policy, shown side by side "
                         "in report.html (default 4; 0: none)")
     b.add_argument("--report-only", action="store_true", help="only rewrite report.html from the finished run in --out")
+    _add_intra_cache_arg(b)
     b.set_defaults(func=cmd_bench)
 
     z = sub.add_parser("bench-scale", help="real-size speed on a CUDA GPU: dense vs replayed carnator hits, and kernels")

@@ -35,6 +35,9 @@ class EngineConfig:
     latent_dtype: dtype of stored latents (float16 halves the bytes; float32 keeps them exact).
     store_video: keep the decoded video with the entry, so an identical request is an exact hit.
     capacity_bytes: cache capacity (None = unbounded); eviction: "lru" or "lcbfu".
+    intra_cache: one of diffusers' per-request caches applied to the transformer under every policy
+        (None = off): a kind name, "KIND:opt=value,...", or {"kind": KIND, opt: value}; kinds first_block,
+        pab, faster, taylorseer, mag (see :mod:`carnator.intra_cache` and docs/METHOD.md).
     """
 
     capture_steps: str | list[int] = "all"
@@ -43,6 +46,7 @@ class EngineConfig:
     capacity_bytes: int | None = None
     eviction: str = "lru"
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    intra_cache: str | dict[str, Any] | None = None
 
 
 @dataclass
@@ -100,6 +104,10 @@ class Carnator:
         self._embedder = embedder
         self._policies: dict[str, Any] = {}
         self.model_identity = self.adapter.model_identity()
+        from .intra_cache import IntraCacheSpec
+
+        self.intra_cache_spec = IntraCacheSpec.parse(self.config.intra_cache)
+        self.adapter.use_intra_cache(self.intra_cache_spec)  # an unsupported kind fails here, before any request
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -150,10 +158,17 @@ class Carnator:
             raise InvalidRequestError("use_policy needs a Policy instance (with a name and a plan method)")
         self._policies[name] = policy
 
+    @property
+    def cache_identity(self) -> str:
+        """What cache entries are keyed by: the model, and the intra-request cache if one runs (an approximate
+        trajectory is reused, and an exact hit returned, only under the same intra-request cache)."""
+        spec = self.intra_cache_spec
+        return self.model_identity if spec is None else f"{self.model_identity}+intra:{spec.label()}"
+
     def compat_key(self, req: Request) -> str:
         from .cache import compat_key
 
-        return compat_key(self.model_identity, self.adapter.scheduler_name(), req.settings())
+        return compat_key(self.cache_identity, self.adapter.scheduler_name(), req.settings())
 
     def _capture(self, state: denoise.DenoiseState) -> set[int]:
         return denoise.capture_set(self.config.capture_steps, state.num_steps)
@@ -189,7 +204,7 @@ class Carnator:
         timings = stats.timings
 
         # Exact tier: an identical request returns the stored video without denoising.
-        exact_key = req.exact_key(self.model_identity)
+        exact_key = req.exact_key(self.cache_identity)
         t0 = time.perf_counter()
         hit = self.bank.lookup_exact(req.tenant, exact_key)
         if hit is not None:
@@ -207,6 +222,10 @@ class Carnator:
 
         if self.adapter._controller is not None:
             self.adapter._controller.reset()  # nothing of the previous request's attention plan leaks
+        # (Engines sharing one adapter may differ in their intra-request cache: apply this engine's.)
+        intra = self.adapter.use_intra_cache(self.intra_cache_spec)
+        if intra is not None:
+            intra.start_request()  # diffusers resets hook state at the end of a pipeline call; we drive the loop, so here
         t0 = time.perf_counter()
         cond = self.adapter.encode(req)
         state = denoise.start(self.adapter, req)
@@ -231,6 +250,9 @@ class Carnator:
         timings["dit"] = state.dit_seconds
         timings["dit_after_plan"] = state.dit_seconds - dit_before
         stats.dit_forwards = state.dit_forwards
+        if intra is not None:
+            stats.notes["intra_cache"] = intra.summary()
+            intra.end()
 
         t0 = time.perf_counter()
         video = self.adapter.decode(state.latents, req)

@@ -125,6 +125,12 @@ class AttentionController:
         self.masks = masks
         self._device_masks = None if masks is None or device is None else masks.to_device(device)
 
+    def fit_rows(self, batch: int) -> None:
+        """Match ``branches`` to a forward that carries fewer rows than announced: an intra-request FasterCache
+        computes only the cond half (the last rows) of a batched (uncond, cond) forward."""
+        if batch < len(self.branches):
+            self.branches = self.branches[len(self.branches) - batch:]
+
     # ---- decisions the processors ask for ------------------------------------------------------
     def recording(self, layer: int) -> bool:
         return self.record_step is not None and self.step == self.record_step and layer == self.record_layer and 0 in self.branches

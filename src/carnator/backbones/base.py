@@ -15,6 +15,8 @@ import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -90,6 +92,7 @@ class BackboneAdapter(ABC):
     def __init__(self, pipe):
         self.pipe = pipe
         self._controller = None
+        self._intra = None
 
     # ---- attention (probe evidence, sparse connectivity, active-token window) ------------------
     supports_attention: ClassVar[bool] = False
@@ -102,6 +105,10 @@ class BackboneAdapter(ABC):
         if self._controller is None:
             from ..attention.controller import AttentionController
 
+            if self._intra is not None:
+                # carnator's block forwards go *under* diffusers' cache hooks (a skipped block must skip them too);
+                # the hooks are put back on the next forward.
+                self._intra.remove()
             self._controller = AttentionController()
             self.install_attention(self._controller)
         return self._controller
@@ -113,6 +120,68 @@ class BackboneAdapter(ABC):
         if self._controller is not None:
             self._controller.branches = branches
             self._controller.step = step
+
+    # ---- diffusers' intra-request caches (carnator.intra_cache) ----------------------------------
+    #: per kind, the diffusers config fields that fit this family (which modules to hook, output layout)
+    intra_cache_options: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: per kind, why it cannot run on this family
+    intra_cache_unsupported: ClassVar[dict[str, str]] = {}
+    #: whether :meth:`predict` puts every CFG branch in one batched forward when the cache needs it
+    batches_cfg: ClassVar[bool] = True
+
+    @property
+    def intra_cache(self):
+        """The :class:`~carnator.intra_cache.IntraCache` applied to this transformer, or None."""
+        return self._intra
+
+    def use_intra_cache(self, spec):
+        """Apply ``spec`` (see :class:`~carnator.intra_cache.IntraCacheSpec`; None removes any) to the transformer.
+
+        Raises :class:`~carnator.intra_cache.IntraCacheError` (a CarnatorError) naming the kinds that work
+        when this family cannot run it. Returns the applied cache (hooks go on at the next forward)."""
+        from ..intra_cache import IntraCache, IntraCacheSpec
+
+        spec = IntraCacheSpec.parse(spec)
+        tr = self.transformer
+        # The hooks live on the transformer, which several adapters (engines) may share: whoever applied them owns them.
+        cur = tr.__dict__.get("_carnator_intra_cache")
+        if cur is not None and cur.adapter is self and cur.spec == spec:
+            return cur
+        new = IntraCache(self, spec) if spec is not None else None  # validates before touching the current one
+        if cur is not None:
+            cur.remove()
+            cur.adapter._intra = None
+        tr.__dict__["_carnator_intra_cache"] = new
+        self._intra = new
+        return new
+
+    def _one_forward_cfg(self) -> bool:
+        """Whether this forward must put every CFG branch in one batch (the cache keeps one state for all calls)."""
+        return self._intra is not None and self._intra.kind.one_forward_cfg
+
+    def _uncond_first(self) -> bool:
+        """Whether a batched CFG forward must put the uncond rows first (FasterCache)."""
+        return self._intra is not None and self._intra.kind.uncond_first
+
+    @contextmanager
+    def branch_context(self, name: str, step: int, t: torch.Tensor, req: Request, do_cfg: bool) -> Iterator[None]:
+        """Wrap one transformer forward of CFG branch(es) ``name`` ("cond", "uncond", or "cond_uncond" for a
+        batched forward): the intra-request cache's per-request state handling, then diffusers'
+        ``cache_context(name)`` (one hook state per branch) where the transformer is a CacheMixin."""
+        from diffusers.models.cache_utils import CacheMixin
+
+        tr = self.transformer
+        if self._intra is not None:
+            ctrl = self._controller
+            recording = ctrl is not None and ctrl.record_step == step
+            w = ctrl.window if ctrl is not None else None
+            window = None if w is None else (id(w), w.layers.start, w.layers.stop, int(w.active.numel()), int(w.context.numel()))
+            self._intra.before_forward(name, step, t, req, do_cfg, recording, window)
+        if isinstance(tr, CacheMixin):
+            with tr.cache_context(name):
+                yield
+        else:
+            yield
 
     def num_layers(self) -> int:
         return len(self.transformer.blocks)
@@ -244,6 +313,8 @@ class BackboneAdapter(ABC):
         Used to resume from a cached latent: the next :meth:`step` call advances from ``step``, and
         multistep solvers (UniPC, DPM-Solver) restart at first order, as they do at step 0.
         """
+        if self._intra is not None:
+            self._intra.begin()  # another trajectory from here: the intra-request cache starts over
         s = self.pipe.scheduler
         if hasattr(s, "_step_index"):
             s._step_index = int(step)

@@ -27,6 +27,10 @@ from .base import BackboneAdapter, Conditioning, GenerationDefaults, register_ad
 class CogVideoXAdapter(BackboneAdapter):
     family = "cogvideox"
     pipeline_classes = ("CogVideoXPipeline",)
+    intra_cache_options = {
+        "taylorseer": {"cache_identifiers": [r"transformer_blocks\.\d+\.(attn1|ff)"]},
+        "faster": {"tensor_format": "BFCHW"},
+    }
 
     # CogVideoXPipeline.__call__ options a request does not carry; these are the pipeline's defaults.
     max_sequence_length: int = 226
@@ -128,7 +132,7 @@ class CogVideoXAdapter(BackboneAdapter):
         tr, s = self.transformer, self.pipe.scheduler
         x = torch.cat([latents] * 2) if cond.do_cfg else latents
         x = s.scale_model_input(x, t)
-        with torch.no_grad(), tr.cache_context("cond_uncond"):
+        with torch.no_grad(), self.branch_context("cond_uncond" if cond.do_cfg else "cond", step, t, req, cond.do_cfg):
             out = tr(
                 hidden_states=x,
                 encoder_hidden_states=cond.data["embeds"],

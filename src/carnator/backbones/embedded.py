@@ -87,15 +87,22 @@ class EmbeddedAdapter(WanAdapter):
         tr = self.transformer
         x = latents.to(tr.dtype)
         with torch.no_grad():
-            self._branches((0, 1) if cond.do_cfg else (0,), step)
             if cond.do_cfg:
                 xb = x.expand(2, *x.shape[1:])
                 tb = t.expand(2)
-                out = self.pipe.velocity(xb, tb, tr(hidden_states=xb, timestep=tb, encoder_hidden_states=cond.data["both"], return_dict=False)[0])
-                c, u = out[:1], out[1:]
+                emb = cond.data["both"]  # (cond, uncond)
+                flip = self._uncond_first()  # FasterCache reads a batch as (uncond, cond)
+                if flip:
+                    emb = emb.flip(0)
+                self._branches((1, 0) if flip else (0, 1), step)
+                with self.branch_context("cond_uncond", step, t, req, True):
+                    out = self.pipe.velocity(xb, tb, tr(hidden_states=xb, timestep=tb, encoder_hidden_states=emb, return_dict=False)[0])
+                c, u = (out[1:], out[:1]) if flip else (out[:1], out[1:])
                 return u + req.guidance_scale * (c - u)
+            self._branches((0,), step)
             t1 = t.expand(1)
-            return self.pipe.velocity(x, t1, tr(hidden_states=x, timestep=t1, encoder_hidden_states=cond.data["cond"], return_dict=False)[0])
+            with self.branch_context("cond", step, t, req, False):
+                return self.pipe.velocity(x, t1, tr(hidden_states=x, timestep=t1, encoder_hidden_states=cond.data["cond"], return_dict=False)[0])
 
     def decode_tensor(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> pixels (B, 3, T, H, W) in [0, 1] (clamped)."""

@@ -30,6 +30,16 @@ def _default_template() -> dict[str, Any]:
 class HunyuanVideoAdapter(BackboneAdapter):
     family = "hunyuan"
     pipeline_classes = ("HunyuanVideoPipeline",)
+    intra_cache_options = {
+        "taylorseer": {"cache_identifiers": [r"transformer_blocks\.\d+\.(attn|ff|ff_context)", r"single_transformer_blocks\.\d+\.(attn|proj_mlp)"]},
+        # Guidance-distilled: FasterCache's uncond skipping applies only with true CFG (then batched, uncond first).
+        "faster": {
+            "tensor_format": "BCFHW",
+            "_unconditional_conditional_input_kwargs_identifiers": (
+                "hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask", "pooled_projections", "guidance",
+            ),
+        },
+    }
 
     # HunyuanVideoPipeline.__call__ options a request does not carry; these are the pipeline's defaults.
     max_sequence_length: int = 256
@@ -144,23 +154,29 @@ class HunyuanVideoAdapter(BackboneAdapter):
         timestep = t.expand(latents.shape[0]).to(latents.dtype)
         guidance = torch.tensor([req.guidance_scale] * latents.shape[0], dtype=tr.dtype, device=latents.device) * 1000.0
 
-        def forward(branch: str) -> torch.Tensor:
-            c = cond.data[branch]
-            with tr.cache_context(branch):
+        def forward(name: str, c: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+            n = hidden.shape[0]
+            with self.branch_context(name, step, t, req, cond.do_cfg):
                 return tr(
-                    hidden_states=x,
-                    timestep=timestep,
+                    hidden_states=hidden,
+                    timestep=timestep[:1].expand(n),
                     encoder_hidden_states=c["embeds"],
                     encoder_attention_mask=c["mask"],
                     pooled_projections=c["pooled"],
-                    guidance=guidance,
+                    guidance=guidance[:1].expand(n),
                     return_dict=False,
                 )[0]
 
         with torch.no_grad():
-            out = forward("cond")
+            if cond.do_cfg and self._one_forward_cfg():
+                # An intra-request cache with one state for every call: both branches in one batch, uncond first.
+                u, c = cond.data["uncond"], cond.data["cond"]
+                both = forward("cond_uncond", {k: torch.cat([u[k], c[k]]) for k in c}, torch.cat([x, x]))
+                neg, out = both.chunk(2)
+                return neg + self.true_cfg_scale * (out - neg)
+            out = forward("cond", cond.data["cond"], x)
             if cond.do_cfg:
-                neg = forward("uncond")
+                neg = forward("uncond", cond.data["uncond"], x)
                 out = neg + self.true_cfg_scale * (out - neg)
         return out
 

@@ -19,6 +19,14 @@ from .base import BackboneAdapter, Conditioning, GenerationDefaults, register_ad
 class LTXAdapter(BackboneAdapter):
     family = "ltx"
     pipeline_classes = ("LTXPipeline",)
+    intra_cache_options = {
+        # LTXAttention has no is_cross_attention flag, so by name: attn1 is self-attention, attn2 cross-attention.
+        "pab": {"spatial_attention_block_identifiers": (r"transformer_blocks\.\d+\.attn1$",)},
+        "taylorseer": {"cache_identifiers": [r"transformer_blocks\.\d+\.(attn1|attn2|ff)"]},
+    }
+    intra_cache_unsupported = {
+        "faster": "diffusers' FasterCache splits frequencies of (B, C, F, H, W) or (B, F, C, H, W) outputs, and LTX's are packed tokens (B, S, C)",
+    }
 
     # LTXPipeline.__call__ options a request does not carry; these are the pipeline's defaults.
     max_sequence_length: int = 128
@@ -108,7 +116,7 @@ class LTXAdapter(BackboneAdapter):
         x = x.to(emb.dtype)
         lt, lh, lw = self._latent_grid(req)
         rope_scale = (p.vae_temporal_compression_ratio / self.frame_rate, p.vae_spatial_compression_ratio, p.vae_spatial_compression_ratio)
-        with torch.no_grad(), tr.cache_context("cond_uncond"):
+        with torch.no_grad(), self.branch_context("cond_uncond" if cond.do_cfg else "cond", step, t, req, cond.do_cfg):
             out = tr(
                 hidden_states=x,
                 encoder_hidden_states=emb,

@@ -16,6 +16,11 @@ class WanAdapter(BackboneAdapter):
     pipeline_classes = ("WanPipeline",)
     max_sequence_length = 512
     supports_attention = True
+    intra_cache_options = {
+        # diffusers' default patterns (``^blocks.*attn``, full match) hook nothing in Wan: name its attention and FFNs.
+        "taylorseer": {"cache_identifiers": [r"blocks\.\d+\.(attn1|attn2|ffn)"]},
+        "faster": {"tensor_format": "BCFHW"},
+    }
 
     def install_attention(self, controller) -> None:
         from .wan_attention import apply_carnator_attention
@@ -101,12 +106,23 @@ class WanAdapter(BackboneAdapter):
             timestep = (mask[:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
         else:
             timestep = t.expand(latents.shape[0])
+
+        def forward(name: str, hidden, ts, text):
+            with self.branch_context(name, step, t, req, cond.do_cfg):
+                return tr(hidden_states=hidden, timestep=ts, encoder_hidden_states=text, return_dict=False)[0]
+
         with torch.no_grad():
+            if cond.do_cfg and self._one_forward_cfg():
+                # An intra-request cache with one state for every call: both branches in one batch, uncond first.
+                self._branches((1, 0), step)
+                both = forward("cond_uncond", torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([cond.data["uncond"], cond.data["cond"]]))
+                unc, out = both.chunk(2)
+                return unc + req.guidance_scale * (out - unc)
             self._branches((0,), step)
-            out = tr(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.data["cond"], return_dict=False)[0]
+            out = forward("cond", x, timestep, cond.data["cond"])
             if cond.do_cfg:
                 self._branches((1,), step)
-                unc = tr(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.data["uncond"], return_dict=False)[0]
+                unc = forward("uncond", x, timestep, cond.data["uncond"])
                 out = unc + req.guidance_scale * (out - unc)
         return out
 

@@ -54,6 +54,7 @@ class CarnatorWanProcessor:
         if attn.add_k_proj is not None:
             raise NotImplementedError("image-conditioned Wan (I2V) is not supported by carnator's processors")
         ctrl = self.ctrl
+        ctrl.fit_rows(hidden_states.shape[0])
         if self.cross:
             src = encoder_hidden_states
         else:
