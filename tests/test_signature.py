@@ -290,3 +290,16 @@ def test_early_signature_rejects_duplicate_canonical_nouns():
         early_signature({"Ball": np.ones((1, 1, 1), bool), "ball": np.ones((1, 1, 1), bool)}, np.ones((2, 2, 3)))
     with pytest.raises(ValueError):
         EarlySignature({"Ball": NounSignature("Ball", np.ones((1, 1), bool), 1.0, None)})
+
+
+def test_expansion_on_torch_tensors_equals_numpy():
+    import torch
+
+    from carnator.signature.regions import self_attention_expansion
+
+    g = torch.Generator().manual_seed(0)
+    ap, an = torch.rand(3, 50, 4, generator=g), torch.rand(3, 50, 6, generator=g)
+    got = self_attention_expansion(ap, an)          # reduced by torch, only (N,) leaves the tensor's device
+    want = self_attention_expansion(ap.numpy(), an.numpy())
+    assert isinstance(got, np.ndarray) and got.shape == (50,)
+    np.testing.assert_allclose(got, want, atol=1e-6)

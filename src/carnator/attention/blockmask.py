@@ -41,6 +41,9 @@ __all__ = [
 ]
 
 
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
+
+
 def num_blocks(n: int, block: int) -> int:
     """Number of blocks of ``block`` tokens covering ``n`` tokens (the last one may be partial)."""
     if block <= 0:
@@ -422,7 +425,8 @@ class BlockMaskSet:
             out._row_of_digest = {
                 hashlib.blake2b(r.numpy().tobytes(), digest_size=16).digest(): i for i, r in enumerate(out._rows)
             }
-        ones_per_row = _unpack_rows(packed, out.nq * out.nk).sum(dim=-1).tolist() if len(packed) else []
+        # set bits per row by a byte popcount table (padding bits past nq * nk are zero)
+        ones_per_row = _POPCOUNT[packed.long()].sum(dim=-1).tolist() if len(packed) else []
         keys = tensors[f"{prefix}keys"].tolist()
         for key, rows in zip(keys, tensors[f"{prefix}index"].tolist()):
             out._index[tuple(key)] = rows

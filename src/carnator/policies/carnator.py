@@ -111,7 +111,7 @@ class CarnatorPolicy(Policy):
             cols = [ev.positions.index(p) for p in pos]
             C = ev.cross[:, :, cols].float().mean(dim=(0, 2)).cpu().numpy()
             seeds = select_seeds(C, grid, self.cfg.region)
-            reg = evidence_region(C, lambda idx: ev.self_attention_columns(idx).cpu().numpy(), seeds, grid, self.cfg.region)
+            reg = evidence_region(C, ev.self_attention_columns, seeds, grid, self.cfg.region)
             regions[noun] = reg.mask
         x0 = ad.predicted_x0(st.last_input, st.last_prediction, self.cfg.probe_steps - 1)
         tail = ad.decode_tail(x0, req)

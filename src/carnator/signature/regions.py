@@ -235,6 +235,13 @@ def self_attention_expansion(attn_pos: Any, attn_neg: Any) -> np.ndarray:
     Returns:
         float32 ``(N,)``, in ``[-1, 1]`` for attention probabilities.
     """
+    if hasattr(attn_pos, "detach") and hasattr(attn_neg, "detach"):
+        # torch tensors: reduce where they live (a GPU at real sizes) and move only the (N,) result.
+        if attn_pos.ndim != 3 or attn_neg.ndim != 3 or attn_pos.shape[:2] != attn_neg.shape[:2]:
+            raise ValueError(f"attention columns must be (heads, N, k) with equal heads and N, got {tuple(attn_pos.shape)} and {tuple(attn_neg.shape)}")
+        if attn_pos.shape[2] == 0 or attn_neg.shape[2] == 0:
+            raise ValueError("need at least one positive and one negative seed column")
+        return _to_numpy((attn_pos.float().amax(dim=2) - attn_neg.float().amax(dim=2)).mean(dim=0))
     ap, an = _to_numpy(attn_pos), _to_numpy(attn_neg)
     if ap.ndim != 3 or an.ndim != 3 or ap.shape[:2] != an.shape[:2]:
         raise ValueError(f"attention columns must be (heads, N, k) with equal heads and N, got {ap.shape} and {an.shape}")
@@ -296,9 +303,10 @@ def evidence_region(
     c = _flat_response(C, grid)
     cols_idx = seeds.columns
     cols = attention(cols_idx) if callable(attention) else attention
-    a = _to_numpy(cols)
+    # A torch tensor stays where it is (the expansion reduces it there); anything else becomes numpy.
+    a = cols if hasattr(cols, "detach") else _to_numpy(cols)
     if a.ndim != 3 or a.shape[1] != c.size or a.shape[2] != cols_idx.size:
-        raise ValueError(f"attention columns must be (heads, {c.size}, {cols_idx.size}) for these seeds, got {a.shape}")
+        raise ValueError(f"attention columns must be (heads, {c.size}, {cols_idx.size}) for these seeds, got {tuple(a.shape)}")
     n_pos = seeds.pos.size
     s = self_attention_expansion(a[:, :, :n_pos], a[:, :, n_pos:])
     f = fuse(s, c, cfg).reshape(t, h, w)
