@@ -81,3 +81,26 @@ def test_unknown_policy_is_a_clear_error(tmp_path):
     eng = make_engine(tmp_path, None)
     with pytest.raises(CarnatorError, match="unknown policy"):
         eng.generate("a red ball", seed=0, policy="nope")
+
+
+def test_wan_signature_decodes_only_the_tail_latent_frame():
+    """The Early Signature's one VAE decode covers the last latent frame alone (not the whole clip)."""
+    import numpy as np
+    import torch
+
+    from carnator.backbones.base import adapter_for
+    from carnator.testing import tiny_wan
+
+    pipe = tiny_wan()
+    ad = adapter_for(pipe)
+    req = ad.resolve("a red ball", seed=0, num_frames=9, height=32, width=32, num_inference_steps=2)
+    lat = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    calls = []
+    h = pipe.vae.decoder.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[2]))
+    tail = ad.decode_tail(lat, req)
+    h.remove()
+    assert tail.shape == (32, 32, 3)
+    assert calls == [1]  # one latent frame went through the decoder
+    np.testing.assert_allclose(tail, ad.decode(lat[:, :, -1:], req)[-1])
+    # Wan's VAE is causal: a prefix decodes exactly as in the whole clip (why one tail frame is a faithful stand-in for its content)
+    np.testing.assert_allclose(ad.decode(lat[:, :, :1], req)[0], ad.decode(lat, req)[0], atol=1e-6)

@@ -126,6 +126,15 @@ class WanAdapter(BackboneAdapter):
                 out = unc + req.guidance_scale * (out - unc)
         return out
 
+    def decode_tail(self, latents: torch.Tensor, req: Request) -> np.ndarray:
+        """The last latent frame decoded alone (the Early Signature's one VAE decode).
+
+        Wan's VAE is causal in time, so a single latent frame decodes as a first frame: the same
+        scene content without the temporal context, at 1/T of the cost (Wan2.1-1.3B, 480p: the full
+        81-frame decode took 3.4 s of a hit's signature stage on the H200).
+        """
+        return self.decode(latents[:, :, -1:], req)[-1]
+
     def decode(self, latents: torch.Tensor, req: Request) -> np.ndarray:
         vae = self.pipe.vae
         with torch.no_grad():
