@@ -84,7 +84,10 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
             d = reuse.stats.notes.get("discrepancies")
             row = {"i": i, "kind": kind, "source": src, "target": tgt, "hit": reuse.stats.hit, "d": d,
                    "dense": {"fidelity": jd.fidelity, "artifact": jd.artifact}, "reuse": {"fidelity": jr.fidelity, "artifact": jr.artifact},
-                   "dit_dense": dense.stats.timings.get("dit"), "dit_reuse": reuse.stats.timings.get("dit")}
+                   "dit_dense": dense.stats.timings.get("dit"), "dit_reuse": reuse.stats.timings.get("dit"),
+                   # the plan's parameters (bench-scale replays these at real sizes)
+                   "resume_step": reuse.stats.resume_step, "active_fraction": reuse.stats.active_fraction,
+                   "mask_density": reuse.stats.mask_density}
             row["acceptable"] = bool(jr.fidelity >= jd.fidelity - rule.delta_fidelity and jr.artifact <= jd.artifact + rule.delta_artifact)
             log.write(json.dumps(row) + "\n")
             log.flush()
