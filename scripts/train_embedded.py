@@ -7,7 +7,9 @@
 Data are rendered on the GPU on the fly from the world's *train* split (held-out attribute
 combinations and caption templates are never seen). Writes to --out: weights.safetensors (EMA,
 fp16) + weights.json (config, checksum, training info), resume.safetensors (raw weights, fp16),
-loss.csv, and eval.json (held-out judge fidelity, if --eval-n > 0).
+loss.csv, and with --eval-n > 0 eval.json (held-out judge fidelity per sampling shift),
+eval_frames.npy and eval_captions.json (first 24 clips of the best shift): 7 files, under the
+device tool's 8-file return limit.
 """
 
 from __future__ import annotations
@@ -169,7 +171,9 @@ def main() -> int:
 
     info = {"steps": step, "batch": args.batch, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
             "resumed_from": args.resume, "params": n_params, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    # (the device tool returns at most 8 files: resume.json is not kept, weights.json has the same info)
     save_pipeline(pipe, out / "resume.safetensors", out / "resume.json", info=info)
+    (out / "resume.json").unlink()
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
@@ -177,12 +181,15 @@ def main() -> int:
     print(f"saved weights sha256 {digest}", flush=True)
 
     if args.eval_n > 0:
-        best = None
+        best, results, best_frames = None, [], None
         for shift in [float(x) for x in args.sample_shifts.split(",")]:
-            res = evaluate(out, dev, args.eval_n, shift)
+            res, frames = evaluate(out, dev, args.eval_n, shift)
             print("EVAL", json.dumps(res), flush=True)
+            results.append(res)
             if best is None or res["fidelity"] > best["fidelity"]:
-                best = res
+                best, best_frames = res, frames
+        (out / "eval.json").write_text(json.dumps(results, indent=1))
+        np.save(out / "eval_frames.npy", best_frames)
         # Ship the sampling shift that judged best (it is part of the config stored with the weights).
         pipe.cfg.flow_shift = best["flow_shift"]
         from carnator.embedded.model import build_scheduler
@@ -194,8 +201,8 @@ def main() -> int:
     return 0
 
 
-def evaluate(out: Path, dev, n: int, flow_shift: float) -> dict:
-    """Held-out judge fidelity of the EMA weights in ``out``, sampled with ``flow_shift``."""
+def evaluate(out: Path, dev, n: int, flow_shift: float) -> tuple[dict, np.ndarray]:
+    """Held-out judge fidelity of the EMA weights in ``out``, sampled with ``flow_shift``; and the first 24 clips."""
     import multiprocessing as mp
     import os
 
@@ -221,14 +228,11 @@ def evaluate(out: Path, dev, n: int, flow_shift: float) -> dict:
     for r in reps:
         for k, v in r.checks.items():
             acc.setdefault(k.split(".")[-1], []).append(v)
-    tag = f"shift{flow_shift:g}"
-    np.save(out / f"eval_frames_{tag}.npy", frames[:24])
     (out / "eval_captions.json").write_text(json.dumps(caps[:24]))
     res = {"n": n, "flow_shift": flow_shift, "fidelity": float(np.mean([r.fidelity for r in reps])),
            "artifact": float(np.mean([r.artifact for r in reps])), "gen_seconds": round(gen_s, 1),
            "per_attribute": {k: round(float(np.mean(v)), 3) for k, v in acc.items()}}
-    (out / f"eval_{tag}.json").write_text(json.dumps(res, indent=1))
-    return res
+    return res, frames[:24]
 
 
 if __name__ == "__main__":
