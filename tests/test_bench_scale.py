@@ -33,7 +33,7 @@ def test_synthetic_masks_density_and_diagonal():
 @pytest.mark.slow
 def test_replayed_hit_on_tiny_wan(tmp_path):
     cfg = ScaleConfig(model="tiny-wan", steps=8, densities=(0.5,), active_fraction=0.4, resume_step=4, mask_stride=2, block=32,
-                      kernels=False, device="cpu")
+                      kernels=False, device="cpu", intra_cache="taylorseer")
     rep = run_scale(cfg, tmp_path, progress=lambda s: None)
     d, (h,) = rep["dense"], rep["hits"]
     assert d["hit"] is False and d["dit_forwards"] == 2 * 8
@@ -44,6 +44,10 @@ def test_replayed_hit_on_tiny_wan(tmp_path):
     assert abs(h["mask_density"] - 0.5) < 0.1
     for k in ("recall", "probe", "signature", "decision", "plan", "dit", "decode", "total"):
         assert k in h["timings"]
+    # composed with diffusers' TaylorSeer: the hit still replays the plan, and the cache ran on both
+    comp = rep["composed"]
+    assert comp["hit"]["hit"] is True and comp["hit"]["resume_step"] == 4
+    assert comp["dense"]["timings"]["dit"] > 0 and comp["hit"]["intra_cache"]["kind"] == "taylorseer"
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["tokens"] == int(np.prod(saved["token_grid"]))
     assert "| dense |" in (tmp_path / "report.md").read_text()

@@ -179,7 +179,8 @@ def cmd_bench_scale(args) -> int:
     if not 0 < args.active_fraction <= 1:
         raise CarnatorError("--active-fraction must lie in (0, 1]")
     cfg = ScaleConfig(model=args.model, frames=args.frames, steps=args.steps, densities=dens, active_fraction=args.active_fraction,
-                      resume_step=args.resume_step, mask_stride=args.mask_stride, kernels=not args.no_kernels, device=args.device)
+                      resume_step=args.resume_step, mask_stride=args.mask_stride, kernels=not args.no_kernels, device=args.device,
+                      intra_cache=args.intra_cache)
     rep = run_scale(cfg, Path(args.out))
     print(to_markdown(rep))
     return 0
@@ -288,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--resume-step", type=int, default=20)
     z.add_argument("--mask-stride", type=int, default=5, help="masks recorded every N steps")
     z.add_argument("--no-kernels", action="store_true", help="skip the kernel microbenchmark")
+    z.add_argument("--intra-cache", default=None, metavar="SPEC",
+                   help="also time a diffusers intra-request cache alone and composed with a hit (e.g. taylorseer; "
+                        "residual-driven kinds skip arbitrarily with random weights)")
     z.add_argument("--device", default="cuda")
     z.add_argument("--out", default="carnator-bench-scale")
     z.set_defaults(func=cmd_bench_scale)

@@ -287,6 +287,10 @@ class ScaleConfig:
     block: int = 128
     kernels: bool = True
     device: str = "cuda"
+    #: a diffusers intra-request cache (``EngineConfig.intra_cache`` spec) to also measure alone
+    #: ("dense + cache", the peer) and composed with a carnator hit at the first density. Use a
+    #: schedule-driven kind (taylorseer): with random weights a residual-driven one skips arbitrarily.
+    intra_cache: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -414,6 +418,11 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
                  f"active {row['active_fraction']}, density {row['mask_density']})")
     rep["hits"] = hits
 
+    if cfg.intra_cache:
+        rep["composed"] = _composed(cfg, pipe, req, kw, traj_keys=sorted(traj), ev=ev, sig=sig, nouns=nouns_src, dense_e2e=dense_e2e,
+                                    dense_dit=dense.stats.timings["dit"], heads=heads, n_tok=n_tok, layers=L, cache_root=cache_root,
+                                    peak_reset=peak_reset, peak=peak, progress=progress)
+
     if cfg.kernels and cuda:
         tr = spec.transformer
         rep["kernels"] = kernel_bench(tr["num_attention_heads"], n_tok, tr["attention_head_dim"], cfg.densities, block=cfg.block)
@@ -422,6 +431,45 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
     (out / "report.json").write_text(json.dumps(rep, indent=1, default=str))
     (out / "report.md").write_text(to_markdown(rep))
     return rep
+
+
+def _composed(cfg, pipe, req, kw, *, traj_keys, ev, sig, nouns, dense_e2e, dense_dit, heads, n_tok, layers, cache_root,
+              peak_reset, peak, progress) -> dict:
+    """Dense and a replayed hit with ``cfg.intra_cache`` on (its own engine and cache keys)."""
+    from .. import Carnator, EngineConfig
+    from ..attention.controller import SparseConfig
+    from ..cache import CacheBank
+    from ..policies.carnator import MASK_PREFIX, CarnatorConfig
+    from ..testing import hashed_embedder
+
+    steps = cfg.steps
+    r = max(cfg.resume_step, 4)
+    ccfg = CarnatorConfig(resume_step=cfg.resume_step, window=cfg.window,
+                          sparse=SparseConfig(block=cfg.block, p=0.9, stride=cfg.mask_stride), thresholds=None)
+    econf = EngineConfig(capture_steps=list(range(r - 1, steps)), latent_dtype="float16", store_video=False, intra_cache=cfg.intra_cache)
+    eng = Carnator(pipe, CacheBank(cache_root / "composed"), config=econf, embedder=hashed_embedder(64))
+    eng.use_policy(ReplayPolicy(active_fraction=cfg.active_fraction, config=ccfg))
+    peak_reset()
+    dense = eng.generate(PROMPT_SOURCE, seed=0, policy="dense", store=True, **kw)
+    d_row = _stage_row(dense, peak())
+    d_row["e2e_seconds"] = dense.stats.timings["total"] - dense.stats.timings.get("store", 0.0)
+    d_row["speedup_e2e"] = dense_e2e / d_row["e2e_seconds"]
+    base = eng.bank.load(dense.stats.entry_id)
+    d0 = cfg.densities[0]
+    masks = synthetic_masks(heads, n_tok, cfg.block, d0, steps=range(0, steps, cfg.mask_stride), layers=range(layers), seed=2,
+                            device=next(pipe.transformer.parameters()).device)
+    eid = eng.bank.admit(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
+                         embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps),
+                         tensors={**{k: base[k] for k in traj_keys}, **masks.to_tensors(MASK_PREFIX), **ev},
+                         extra={"steps": steps, "nouns": nouns, "signature": sig.to_dict()})
+    assert eid is not None
+    peak_reset()
+    hit = eng.generate(PROMPT_TARGET, seed=0, policy="carnator-replay", store=False, **kw)
+    h_row = _stage_row(hit, peak())
+    h_row.update({"density_requested": d0, "e2e_seconds": hit.stats.timings["total"], "speedup_e2e": dense_e2e / hit.stats.timings["total"],
+                  "speedup_dit": dense_dit / hit.stats.timings["dit"], "intra_cache": hit.stats.notes.get("intra_cache")})
+    progress(f"{cfg.intra_cache}: dense+cache {d_row['speedup_e2e']:.2f}x, hit+cache {h_row['speedup_e2e']:.2f}x (vs plain dense)")
+    return {"intra_cache": cfg.intra_cache, "dense": d_row, "hit": h_row}
 
 
 def to_markdown(rep: dict) -> str:
@@ -450,6 +498,12 @@ def to_markdown(rep: dict) -> str:
         h = rep["hits"][0]
         over = sum(h["timings"].get(k, 0.0) for k in ("recall", "signature", "decision"))
         lines += ["", f"Overheads (recall + signature + decision) on a hit: {over:.3f} s = {100 * over / d['e2e_seconds']:.2f} % of dense E2E."]
+    comp = rep.get("composed")
+    if comp:
+        cd, ch = comp["dense"], comp["hit"]
+        lines += ["", f"With diffusers' intra-request cache `{comp['intra_cache']}` (speedups against plain dense above): dense + cache "
+                  f"{cd['e2e_seconds']:.2f} s ({cd['speedup_e2e']:.2f}x); carnator hit + cache at density {ch['density_requested']} "
+                  f"{ch['e2e_seconds']:.2f} s ({ch['speedup_e2e']:.2f}x E2E, {ch['speedup_dit']:.2f}x DiT)."]
     k = rep.get("kernels")
     if k:
         lines += ["", f"Kernels at {k['shape']} bf16, block {k['block']}: cuDNN SDPA {k['sdpa_cudnn_ms']:.2f} ms, default SDPA "
