@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="compare policies on one shapes-world trace (warm cache + test stream)")
     _add_gen_args(b)
-    b.add_argument("--policies", default="dense,nirvana,chorus2,carnator")
+    b.add_argument("--policies", default="dense,nirvana,chorus,chorus2,carnator")
     b.add_argument("--warm", type=int, default=12, help="warm-cache requests W (paper: 1000)")
     b.add_argument("--test", type=int, default=12, help="test requests S (paper: 300)")
     b.add_argument("--steps", type=int, default=None)
