@@ -77,6 +77,8 @@ def masked_attention(
     *,
     backend: Literal["auto", "sdpa", "flex"] = "auto",
     chunk: int | None = None,
+    extra_k: torch.Tensor | None = None,
+    extra_v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q (B, H, Nq, D)`` over ``k, v (B, H, Nk, D|Dv)`` limited to allowed blocks.
 
@@ -85,6 +87,9 @@ def masked_attention(
     ``1 / sqrt(D)``. Rows with no allowed key output zeros. ``backend="auto"`` uses compiled flex
     when ``q.is_cuda`` and ``block % 128 == 0``, else chunked SDPA (``chunk`` query rows at a time;
     default: about 32 M mask elements per chunk).
+
+    ``extra_k, extra_v (B, H, L, D|Dv)``: keys every query attends besides the masked ones (the text
+    tokens of a joint text-video attention); the softmax runs over the allowed keys and all of these.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (B, H, N, D)")
@@ -93,29 +98,51 @@ def masked_attention(
     bm = _broadcast_mask(block_mask.to(q.device), b, h, num_blocks(nq_tok, block), num_blocks(nk_tok, block))
     if backend == "auto":
         backend = "flex" if (q.is_cuda and block % FLEX_BLOCK == 0) else "sdpa"
+    if backend not in ("flex", "sdpa"):
+        raise ValueError(f"unknown backend {backend!r}")
+    if extra_k is not None:
+        return _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v)
     if backend == "flex":
         return _flex_attention(q, k, v, bm, block, scale)
-    if backend != "sdpa":
-        raise ValueError(f"unknown backend {backend!r}")
     return _sdpa_masked(q, k, v, bm, block, scale, chunk)
 
 
-def _sdpa_masked(q, k, v, bm, block, scale, chunk) -> torch.Tensor:
+def _sdpa_masked(q, k, v, bm, block, scale, chunk, n_extra: int = 0) -> torch.Tensor:
+    # With n_extra > 0, the last n_extra keys of k, v are attended by every query.
     b, h, nq_tok, _ = q.shape
-    nk_tok = k.shape[2]
+    nk_tok = k.shape[2] - n_extra
     if chunk is None:
-        chunk = max(1, _ELEMENTS_PER_CHUNK // max(1, b * h * nk_tok))
+        chunk = max(1, _ELEMENTS_PER_CHUNK // max(1, b * h * (nk_tok + n_extra)))
     key_block = torch.arange(nk_tok, device=q.device) // block
-    row_has_key = bm.any(dim=-1)  # (B, H, nq)
+    row_has_key = bm.any(dim=-1) | (n_extra > 0)  # (B, H, nq)
     out = q.new_empty(b, h, nq_tok, v.shape[-1])
     for start in range(0, nq_tok, chunk):
         stop = min(start + chunk, nq_tok)
         q_block = torch.arange(start, stop, device=q.device) // block
         has = row_has_key[:, :, q_block, None]  # (B, H, c, 1)
         mask = bm[:, :, q_block][..., key_block] | ~has  # keyless rows: any finite values, zeroed below
+        if n_extra:
+            mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], n_extra)], dim=-1)
         o = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale)
         out[:, :, start:stop] = o.masked_fill(~has, 0)
     return out
+
+
+def _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v) -> torch.Tensor:
+    """Masked attention over k, v plus dense attention over extra_k, extra_v, in one softmax."""
+    if backend == "sdpa":
+        return _sdpa_masked(q, torch.cat([k, extra_k], dim=2), torch.cat([v, extra_v], dim=2), bm, block, scale, chunk, extra_k.shape[2])
+    # flex: the two parts separately, merged by their row log-sum-exps (a keyless masked row has lse -inf)
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    flex = compiled_flex_attention() if q.is_cuda else flex_attention
+    mask = flex_block_mask(bm, block, q.shape[2], k.shape[2])
+    o_m, aux_m = flex(q, k, v, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
+    o_e, aux_e = flex(q, extra_k, extra_v, scale=scale, return_aux=AuxRequest(lse=True))
+    lse_m, lse_e = aux_m.lse, aux_e.lse
+    lse = torch.logaddexp(lse_m.float(), lse_e.float())
+    w_m, w_e = torch.exp(lse_m.float() - lse)[..., None], torch.exp(lse_e.float() - lse)[..., None]
+    return (o_m.float().nan_to_num(0.0) * w_m + o_e.float() * w_e).to(q.dtype)
 
 
 def flex_block_mask(block_mask: torch.Tensor, block: int, q_len: int, kv_len: int, *, full_blocks: bool = True):

@@ -191,6 +191,15 @@ class BackboneAdapter(ABC):
         sigma = self.pipe.scheduler.sigmas[step].to(latents.device, torch.float32)
         return latents.float() - sigma * noise_pred.float()
 
+    def latent_weight(self, weight: np.ndarray, latents: torch.Tensor) -> torch.Tensor:
+        """A token-grid array ``(T, H, W)`` (a blend weight) as a float32 tensor on ``latents``' device that
+        broadcasts against ``latents``, each token's value covering its latent patch. This default is for
+        latents laid out (B, C, T, H, W); families with another layout override it."""
+        from ..reuse import upsample_tokens
+
+        patch = tuple(int(a // b) for a, b in zip(latents.shape[2:], weight.shape))
+        return torch.from_numpy(upsample_tokens(weight, patch).astype(np.float32))[None, None].to(latents.device)
+
     def decode_tail(self, latents: torch.Tensor, req: Request) -> np.ndarray:
         """Last frame (H, W, 3) float in [0, 1] of a decode of ``latents``."""
         return self.decode(latents, req)[-1]

@@ -27,6 +27,7 @@ from .base import BackboneAdapter, Conditioning, GenerationDefaults, register_ad
 class CogVideoXAdapter(BackboneAdapter):
     family = "cogvideox"
     pipeline_classes = ("CogVideoXPipeline",)
+    supports_attention = True
     intra_cache_options = {
         "taylorseer": {"cache_identifiers": [r"transformer_blocks\.\d+\.(attn1|ff)"]},
         "faster": {"tensor_format": "BFCHW"},
@@ -42,6 +43,14 @@ class CogVideoXAdapter(BackboneAdapter):
         # DPM multistep history: generator of a run -> (timestep index it applies to, previous x0 prediction).
         self._x0_history: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._rope_cache: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def install_attention(self, controller) -> None:
+        from .cogvideox_attention import apply_carnator_attention
+
+        apply_carnator_attention(self.transformer, controller)
+
+    def num_layers(self) -> int:
+        return len(self.transformer.transformer_blocks)
 
     def defaults(self) -> GenerationDefaults:
         # CogVideoXPipeline.__call__ falls back to the transformer's sample size.
@@ -78,6 +87,24 @@ class CogVideoXAdapter(BackboneAdapter):
         cfg, s = self.transformer.config, self.pipe.vae_scale_factor_spatial
         t, _ = self._latent_frames(req)
         return t // (cfg.patch_size_t or 1), req.height // (s * cfg.patch_size), req.width // (s * cfg.patch_size)
+
+    def latent_weight(self, weight: np.ndarray, latents: torch.Tensor) -> torch.Tensor:
+        """Latents are (B, T, C, H, W): the token-grid weight upsampled to (1, T, 1, H, W)."""
+        from ..reuse import upsample_tokens
+
+        t, h, w = latents.shape[1], latents.shape[3], latents.shape[4]
+        patch = (t // weight.shape[0], h // weight.shape[1], w // weight.shape[2])
+        return torch.from_numpy(upsample_tokens(weight, patch).astype(np.float32))[None, :, None].to(latents.device)
+
+    def predicted_x0(self, latents: torch.Tensor, noise_pred: torch.Tensor, step: int) -> torch.Tensor:
+        """The clean-latent estimate at ``step`` from the DDIM/DPM scheduler's cumulative alphas (epsilon or v prediction)."""
+        s = self.pipe.scheduler
+        t = int(s.timesteps[step])
+        a = s.alphas_cumprod[t].to(latents.device, torch.float32)
+        x, out = latents.float(), noise_pred.float()
+        if s.config.prediction_type == "v_prediction":
+            return a.sqrt() * x - (1 - a).sqrt() * out
+        return (x - (1 - a).sqrt() * out) / a.sqrt()
 
     # text ---------------------------------------------------------------------------------------
     def prompt_token_ids(self, prompt: str) -> list[int]:
@@ -132,6 +159,7 @@ class CogVideoXAdapter(BackboneAdapter):
         tr, s = self.transformer, self.pipe.scheduler
         x = torch.cat([latents] * 2) if cond.do_cfg else latents
         x = s.scale_model_input(x, t)
+        self._branches((1, 0) if cond.do_cfg else (0,), step)  # uncond rows first
         with torch.no_grad(), self.branch_context("cond_uncond" if cond.do_cfg else "cond", step, t, req, cond.do_cfg):
             out = tr(
                 hidden_states=x,

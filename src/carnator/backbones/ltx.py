@@ -19,6 +19,7 @@ from .base import BackboneAdapter, Conditioning, GenerationDefaults, register_ad
 class LTXAdapter(BackboneAdapter):
     family = "ltx"
     pipeline_classes = ("LTXPipeline",)
+    supports_attention = True
     intra_cache_options = {
         # LTXAttention has no is_cross_attention flag, so by name: attn1 is self-attention, attn2 cross-attention.
         "pab": {"spatial_attention_block_identifiers": (r"transformer_blocks\.\d+\.attn1$",)},
@@ -34,6 +35,14 @@ class LTXAdapter(BackboneAdapter):
     guidance_rescale: float = 0.0
     decode_timestep: float = 0.0
     decode_noise_scale: float | None = None
+
+    def install_attention(self, controller) -> None:
+        from .ltx_attention import apply_carnator_attention
+
+        apply_carnator_attention(self.transformer, controller)
+
+    def num_layers(self) -> int:
+        return len(self.transformer.transformer_blocks)
 
     def defaults(self) -> GenerationDefaults:
         return GenerationDefaults(num_inference_steps=50, num_frames=161, height=512, width=704, guidance_scale=3.0)
@@ -61,6 +70,10 @@ class LTXAdapter(BackboneAdapter):
         p = self.pipe
         ps, pt = p.transformer_spatial_patch_size, p.transformer_temporal_patch_size
         return t // pt, h // ps, w // ps
+
+    def latent_weight(self, weight: np.ndarray, latents: torch.Tensor) -> torch.Tensor:
+        """Packed latents (B, tokens, C * p_t * p * p) hold one row per visual token, in (T, H, W) order."""
+        return torch.from_numpy(np.asarray(weight, dtype=np.float32).reshape(1, -1, 1)).to(latents.device)
 
     # text ---------------------------------------------------------------------------------------
     def prompt_token_ids(self, prompt: str) -> list[int]:
@@ -116,6 +129,7 @@ class LTXAdapter(BackboneAdapter):
         x = x.to(emb.dtype)
         lt, lh, lw = self._latent_grid(req)
         rope_scale = (p.vae_temporal_compression_ratio / self.frame_rate, p.vae_spatial_compression_ratio, p.vae_spatial_compression_ratio)
+        self._branches((1, 0) if cond.do_cfg else (0,), step)  # uncond rows first
         with torch.no_grad(), self.branch_context("cond_uncond" if cond.do_cfg else "cond", step, t, req, cond.do_cfg):
             out = tr(
                 hidden_states=x,

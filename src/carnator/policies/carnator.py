@@ -19,7 +19,7 @@ import torch
 from ..attention.blockmask import BlockMaskSet
 from ..attention.controller import SparseConfig, WindowPlan
 from ..denoise import StepHooks
-from ..reuse import CompatConfig, ScopeConfig, Thresholds, compatible, discrepancies, noun_diff, reuse_scope, upsample_tokens
+from ..reuse import CompatConfig, ScopeConfig, Thresholds, compatible, discrepancies, noun_diff, reuse_scope
 from ..signature import EarlySignature, RegionConfig, early_signature, evidence_region, select_seeds
 from ..signature.nouns import extract_nouns
 from .base import Plan, Policy, register_policy
@@ -203,8 +203,7 @@ class CarnatorPolicy(Policy):
         if not ev:
             return None
         scope = reuse_scope(ev, cfg.scope)
-        patch = tuple(int(a // b) for a, b in zip(st.latents.shape[2:], grid))
-        W = torch.from_numpy(upsample_tokens(scope.weight, patch).astype(np.float32))[None, None].to(st.latents.device)
+        W = ad.latent_weight(scope.weight, st.latents)
         dev = st.latents.device
 
         def after_step(i: int, state) -> torch.Tensor:

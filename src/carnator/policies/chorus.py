@@ -69,7 +69,7 @@ import torch
 
 from ..attention.controller import Amplification, WindowPlan
 from ..denoise import StepHooks
-from ..reuse import ScopeConfig, reuse_scope, upsample_tokens
+from ..reuse import ScopeConfig, reuse_scope
 from ..signature import RegionConfig, hysteresis, normalize_noun
 from ..signature.nouns import _ADJ, extract_nouns
 from ..world.captions import COLOR_WORDS, SIZE_WORDS
@@ -298,7 +298,6 @@ class ChorusPolicy(Policy):
         amp_pos = sorted({p for w in diff.target_tokens for p in positions.get(w, [])})
         ctrl.amplify = Amplification(amp_pos, cfg.tgaa_scale, range(r, s))
         grid = tuple(ad.token_grid(req))
-        patch = tuple(int(a // b) for a, b in zip(st.latents.shape[2:], grid))
         src_ok = meta.extra.get("chorus") == extra["chorus"]
         scope_box: dict[str, Any] = {}
 
@@ -315,7 +314,7 @@ class ChorusPolicy(Policy):
             localized = any(m.any() for m in masks)
             scope = reuse_scope(masks if localized else [np.ones(grid, dtype=bool)], cfg.scope)
             scope_box.update(scope=scope, localized=localized)
-            w_lat = torch.from_numpy(upsample_tokens(scope.weight, patch).astype(np.float32))[None, None].to(dev)
+            w_lat = ad.latent_weight(scope.weight, state.latents)
             scope_box["W"] = w_lat
             return w_lat * state.latents + (1 - w_lat) * traj[i].to(dev, state.latents.dtype)
 
