@@ -37,11 +37,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 PROMPT = "a small red ball moving left on grass"
-ATTN_FAMILIES = ["ltx", "cogvideox"]
-# Sizes with a few blocks of tokens: LTX 3 x 8 x 8 = 192 tokens (blocks of 16); CogVideoX at 64 x 64, 3 x 4 x 4 = 48 (blocks of 8).
-SETTINGS = {"ltx": TINY_SETTINGS["ltx"], "cogvideox": {**TINY_SETTINGS["cogvideox"], "height": 64, "width": 64}}
-BLOCKS = {"ltx": 16, "cogvideox": 8}
-JOINT = {"cogvideox"}
+ATTN_FAMILIES = ["ltx", "cogvideox", "hunyuan"]
+# Sizes with a few blocks of tokens: LTX 3 x 8 x 8 = 192 tokens (blocks of 16); CogVideoX at 64 x 64 and
+# HunyuanVideo, 3 x 4 x 4 = 48 (blocks of 8).
+SETTINGS = {
+    "ltx": TINY_SETTINGS["ltx"],
+    "cogvideox": {**TINY_SETTINGS["cogvideox"], "height": 64, "width": 64},
+    "hunyuan": TINY_SETTINGS["hunyuan"],
+}
+BLOCKS = {"ltx": 16, "cogvideox": 8, "hunyuan": 8}
+JOINT = {"cogvideox", "hunyuan"}
+NEGATIVE = "blurry, low quality"
 
 
 # ------------------------------------------------------------------------------------------- setup
@@ -54,22 +60,55 @@ class Case:
         self.family = family
         self.pipe = tiny_pipeline(family, 0)
         self.ad = adapter_for(self.pipe)
-        self.req = self.ad.resolve(PROMPT, seed=0, **SETTINGS[family])
+        if family == "hunyuan":  # true CFG: two forwards, batched here (uncond first) so rows carry different text masks
+            self.ad.true_cfg_scale = 3.0
+        self.req = self.ad.resolve(PROMPT, seed=0, negative_prompt=NEGATIVE, **SETTINGS[family])
         self.block = BLOCKS[family]
         self.joint = family in JOINT
-        self.diffusers_processors = [(b.attn1.processor, getattr(b, "attn2", b.attn1).processor) for b in self.blocks()]
+        self.diffusers_processors = [[m.processor for m in self.attn_modules(b)] for b in self.blocks()]
         cond = self.ad.encode(self.req)
+        assert cond.do_cfg
         lat = self.ad.prepare_latents(self.req, self.ad.make_generator(self.req))
         ts = self.ad.timesteps(self.req)
-        self.kwargs: dict = {}
+        calls: list[dict] = []
         tr = self.ad.transformer
-        h = tr.register_forward_pre_hook(lambda m, a, kw: self.kwargs.update(kw), with_kwargs=True)
+        h = tr.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
         try:
             self.ad.predict(lat, ts[0], 0, cond, self.req)
         finally:
             h.remove()
-        self.branches = (1, 0) if cond.do_cfg else (0,)
+        if len(calls) == 2:  # (cond, uncond) forwards -> one (uncond, cond) batch
+            calls = [{k: torch.cat([calls[1][k], v]) if isinstance(v, torch.Tensor) else v for k, v in calls[0].items()}]
+        self.kwargs = calls[0]
+        self.branches = (1, 0)
         self.n = math.prod(self.ad.token_grid(self.req))
+
+    def blocks(self) -> list:
+        tr = self.pipe.transformer
+        return list(tr.transformer_blocks) + list(getattr(tr, "single_transformer_blocks", []))
+
+    @staticmethod
+    def attn_modules(block) -> list:
+        return [getattr(block, n) for n in ("attn1", "attn2", "attn") if hasattr(block, n)]
+
+    def self_attn(self, layer: int):
+        return self.attn_modules(self.blocks()[layer])[0]
+
+    @contextlib.contextmanager
+    def diffusers(self):
+        """Diffusers' own processors for the duration (carnator's window-aware block forwards stay, idle)."""
+        saved = [[m.processor for m in self.attn_modules(b)] for b in self.blocks()]
+
+        def put(procs):
+            for b, ps in zip(self.blocks(), procs):
+                for m, p in zip(self.attn_modules(b), ps):
+                    m.set_processor(p)
+
+        put(self.diffusers_processors)
+        try:
+            yield
+        finally:
+            put(saved)
 
     @property
     def tr(self):
@@ -84,28 +123,6 @@ class Case:
         ctrl.reset()
         ctrl.branches, ctrl.step = self.branches, 0
         return ctrl
-
-    def blocks(self):
-        return self.tr.transformer_blocks
-
-    def self_attn(self, layer: int):
-        return self.blocks()[layer].attn1
-
-    @contextlib.contextmanager
-    def diffusers(self):
-        """Diffusers' own processors for the duration (carnator's window-aware block forwards stay, idle)."""
-        saved = [(b.attn1.processor, getattr(b, "attn2", b.attn1).processor) for b in self.blocks()]
-        for b, (p1, p2) in zip(self.blocks(), self.diffusers_processors):
-            b.attn1.set_processor(p1)
-            if hasattr(b, "attn2"):
-                b.attn2.set_processor(p2)
-        try:
-            yield
-        finally:
-            for b, (p1, p2) in zip(self.blocks(), saved):
-                b.attn1.set_processor(p1)
-                if hasattr(b, "attn2"):
-                    b.attn2.set_processor(p2)
 
 
 @pytest.fixture(scope="module", params=ATTN_FAMILIES)
@@ -149,30 +166,33 @@ class _FunctionalWith:
 
 @contextlib.contextmanager
 def _masked_reference(case: Case, masks: dict[int, torch.Tensor]):
-    """Diffusers' own processors, with each layer's self-attention SDPA under ``masks[layer]`` ((B, H, nb, nb)):
-    for a joint attention (text first), the video-video part masked, text rows and columns kept."""
-    layer_of = {id(b.attn1): i for i, b in enumerate(case.blocks())}
+    """Diffusers' own processors, with each layer's self-attention SDPA under ``masks[layer]`` ((B, H, nb, nb)); for
+    a joint attention the video-video part masked, every (valid) text key and every text query kept."""
+    layer_of = {id(case.self_attn(i)): i for i in range(len(case.blocks()))}
     current: list[int] = []
-    hooks = [b.attn1.register_forward_pre_hook(lambda m, a: current.append(layer_of[id(m)])) for b in case.blocks()]
+    hooks = [case.self_attn(i).register_forward_pre_hook(lambda m, a: current.append(layer_of[id(m)])) for i in range(len(case.blocks()))]
 
-    def elem_for(layer: int, n_q: int) -> torch.Tensor:
+    def elem_for(layer: int, s_len: int, text_first: bool, key_mask=None) -> torch.Tensor:
         e = _element_mask(masks[layer], case.n, case.block)
-        txt = n_q - case.n  # joint: text tokens first
-        if txt:
-            b, h = e.shape[:2]
-            e = torch.cat([torch.ones(b, h, case.n, txt, dtype=torch.bool), e], dim=-1)
-            e = torch.cat([torch.ones(b, h, txt, n_q, dtype=torch.bool), e], dim=-2)
-        return e
+        b, h, n = *e.shape[:2], case.n
+        full = torch.ones(b, h, s_len, s_len, dtype=torch.bool)
+        vid = slice(s_len - n, s_len) if text_first else slice(0, n)
+        full[:, :, vid, vid] = e
+        return full if key_mask is None else full & key_mask
 
     with case.diffusers():
-        if case.family == "ltx":
-            import diffusers.models.transformers.transformer_ltx as mod
+        if case.family in ("ltx", "hunyuan"):
+            if case.family == "ltx":
+                import diffusers.models.transformers.transformer_ltx as mod
+            else:
+                import diffusers.models.transformers.transformer_hunyuan_video as mod
 
             orig = mod.dispatch_attention_fn
 
-            def dispatch(q, k, v, attn_mask=None, **kw):  # q, k, v: (B, S, H, D)
-                if attn_mask is None and q.shape[1] == k.shape[1] == case.n and current:
-                    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=elem_for(current.pop(), case.n))
+            def dispatch(q, k, v, attn_mask=None, **kw):  # q, k, v: (B, S, H, D); joint: video first
+                if current and (case.family == "hunyuan" or attn_mask is None):
+                    elem = elem_for(current.pop(), q.shape[1], False, attn_mask)
+                    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=elem)
                     return o.transpose(1, 2)
                 return orig(q, k, v, attn_mask=attn_mask, **kw)
 
@@ -182,9 +202,9 @@ def _masked_reference(case: Case, masks: dict[int, torch.Tensor]):
 
             orig = mod.F
 
-            def sdpa(q, k, v, attn_mask=None, **kw):  # q, k, v: (B, H, S, D), the joint sequence
+            def sdpa(q, k, v, attn_mask=None, **kw):  # q, k, v: (B, H, S, D), the joint sequence, text first
                 assert attn_mask is None and current
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=elem_for(current.pop(), q.shape[2]), **kw)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=elem_for(current.pop(), q.shape[2], True), **kw)
 
             name, patched = "F", _FunctionalWith(sdpa)
         setattr(mod, name, patched)
@@ -198,58 +218,78 @@ def _masked_reference(case: Case, masks: dict[int, torch.Tensor]):
 
 def _reference_qk(case: Case, layer: int):
     """From the inputs diffusers' modules receive and their own projections (cond row): video queries Q (H, N, d),
-    their text keys K_t (H, L, d) with the text logit bias (H or 1, 1, L) or None, and video keys K_v (H, N, d)."""
+    their text keys K_t (H, L, d) with the text logit bias (1, 1, L) or None, and the video self-attention's Q, K (H, N, d)."""
     blk = case.blocks()[layer]
     got = {}
 
     def grab(name):
         def hook(m, a, kw):
             got.setdefault(name, (a, kw))
+
         return hook
 
-    hooks = [blk.attn1.register_forward_pre_hook(grab("attn1"), with_kwargs=True)]
-    if hasattr(blk, "attn2"):
-        hooks.append(blk.attn2.register_forward_pre_hook(grab("attn2"), with_kwargs=True))
+    hooks = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in enumerate(case.attn_modules(blk))]
     try:
         case.forward()
     finally:
         for h in hooks:
             h.remove()
     b = case.branches.index(0)
-    a1 = blk.attn1
+    a1 = case.self_attn(layer)
     heads = a1.heads
 
-    def arg(call, i, name):
-        a, kw = call
-        return kw[name] if name in kw else a[i]
+    def arg(i, pos, name):
+        a, kw = got[i]
+        v = kw[name] if name in kw else a[pos]
+        return v[b : b + 1] if isinstance(v, torch.Tensor) else v
+
+    def split(lin, x):  # (1, S, C) -> (1, S, H, D)
+        return lin(x).unflatten(2, (heads, -1))
+
+    def hd(x):  # (1, S, H, D) -> (H, S, D)
+        return x.transpose(1, 2)[0]
 
     with torch.no_grad():
         if case.family == "ltx":
             from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
 
-            x = arg(got["attn1"], 0, "hidden_states")[b : b + 1]
-            rope = arg(got["attn1"], 3, "image_rotary_emb")
+            x, rope = arg(0, 0, "hidden_states"), arg(0, 3, "image_rotary_emb")
             rope = tuple(r[b : b + 1] for r in rope)
             qv = apply_rotary_emb(a1.norm_q(a1.to_q(x)), rope).unflatten(2, (heads, -1)).transpose(1, 2)[0]
             kv = apply_rotary_emb(a1.norm_k(a1.to_k(x)), rope).unflatten(2, (heads, -1)).transpose(1, 2)[0]
             a2 = blk.attn2
-            x2 = arg(got["attn2"], 0, "hidden_states")[b : b + 1]
-            enc = arg(got["attn2"], 1, "encoder_hidden_states")[b : b + 1]
+            x2, enc = arg(1, 0, "hidden_states"), arg(1, 1, "encoder_hidden_states")
             q2 = a2.norm_q(a2.to_q(x2)).unflatten(2, (heads, -1)).transpose(1, 2)[0]
             kt = a2.norm_k(a2.to_k(enc)).unflatten(2, (heads, -1)).transpose(1, 2)[0]
-            bias = arg(got["attn2"], 2, "attention_mask")[b].view(1, 1, -1)
-            return q2, kt, bias, qv, kv
+            return q2, kt, arg(1, 2, "attention_mask").view(1, 1, -1), qv, kv
         from diffusers.models.embeddings import apply_rotary_emb
 
-        x = arg(got["attn1"], 0, "hidden_states")[b : b + 1]
-        enc = arg(got["attn1"], 1, "encoder_hidden_states")[b : b + 1]
-        rope = arg(got["attn1"], 3, "image_rotary_emb")
-        j = torch.cat([enc, x], dim=1)
-        q = a1.norm_q(a1.to_q(j).unflatten(2, (heads, -1)).transpose(1, 2))
-        k = a1.norm_k(a1.to_k(j).unflatten(2, (heads, -1)).transpose(1, 2))
+        x, enc, rope = arg(0, 0, "hidden_states"), arg(0, 1, "encoder_hidden_states"), arg(0, 3, "image_rotary_emb")
         L = enc.shape[1]
-        qv, kv = apply_rotary_emb(q[:, :, L:], rope)[0], apply_rotary_emb(k[:, :, L:], rope)[0]
-        return qv, k[0, :, :L], None, qv, kv
+        if case.family == "cogvideox":  # text first; LayerNorm per head after the head split
+            j = torch.cat([enc, x], dim=1)
+            q = a1.norm_q(split(a1.to_q, j).transpose(1, 2))
+            k = a1.norm_k(split(a1.to_k, j).transpose(1, 2))
+            qv, kv = apply_rotary_emb(q[:, :, L:], rope)[0], apply_rotary_emb(k[:, :, L:], rope)[0]
+            return qv, k[0, :, :L], None, qv, kv
+        # HunyuanVideo: video first, text last, text padding masked
+        mask = arg(0, 2, "attention_mask")
+        bias = torch.zeros(L).masked_fill(~mask.reshape(-1)[-L:], float("-inf")).view(1, 1, L)
+        if a1.add_q_proj is not None:  # dual-stream
+            qv, kv = a1.norm_q(split(a1.to_q, x)), a1.norm_k(split(a1.to_k, x))
+            kt = a1.norm_added_k(split(a1.add_k_proj, enc))
+        else:
+            j = torch.cat([x, enc], dim=1)
+            q, k = a1.norm_q(split(a1.to_q, j)), a1.norm_k(split(a1.to_k, j))
+            qv, kv, kt = q[:, :-L], k[:, :-L], k[:, -L:]
+        qv = apply_rotary_emb(qv, rope, sequence_dim=1)
+        kv = apply_rotary_emb(kv, rope, sequence_dim=1)
+        return hd(qv), hd(kt), bias, hd(qv), hd(kv)
+
+
+def _layers(case: Case) -> list[int]:
+    """Layer 0 and the last (for HunyuanVideo: the dual- and the single-stream block)."""
+    return sorted({0, len(case.blocks()) - 1})
 
 
 # ------------------------------------------------------------------------------------------- tests
@@ -309,13 +349,18 @@ def test_capture_records_every_layer_and_branch(case):
 
 
 def test_recording_matches_dense_softmax(case):
+    for layer in _layers(case):
+        _check_recording(case, layer)
+
+
+def _check_recording(case: Case, layer: int):
     ad = case.ad
     pos = ad.word_token_positions(PROMPT, "ball")
     ids = ad.prompt_token_ids(PROMPT)
     assert ad.pipe.tokenizer.decode([ids[p - ad.text_offset()] for p in pos]).strip() == "ball"
     ctrl = case.controller()
-    ctrl.record_step, ctrl.record_layer, ctrl.record_positions = 0, 0, list(pos)
-    q, kt, bias, qv, kv = _reference_qk(case, 0)
+    ctrl.record_step, ctrl.record_layer, ctrl.record_positions = 0, layer, list(pos)
+    q, kt, bias, qv, kv = _reference_qk(case, layer)
     ev = ctrl.evidence
     heads = case.self_attn(0).heads
     assert ev is not None and ev.cross.shape == (heads, case.n, len(pos))
@@ -349,12 +394,17 @@ def _block_io(case: Case, layer: int):
 
 
 def test_window_recomputes_active_tokens_only(case):
+    for layer in _layers(case):
+        _check_window(case, layer)
+
+
+def _check_window(case: Case, layer: int):
     ctrl = case.controller()
-    inp, dense_out, dense_txt = _block_io(case, 0)
+    inp, dense_out, dense_txt = _block_io(case, layer)
     g = torch.Generator().manual_seed(5)
     active = torch.sort(torch.randperm(case.n, generator=g)[: case.n // 3]).values
-    ctrl.window = WindowPlan(range(1), active, torch.arange(case.n))
-    inp_w, out_w, txt_w = _block_io(case, 0)
+    ctrl.window = WindowPlan(range(layer, layer + 1), active, torch.arange(case.n))
+    inp_w, out_w, txt_w = _block_io(case, layer)
     torch.testing.assert_close(inp_w, inp)
     torch.testing.assert_close(out_w[:, active], dense_out[:, active], rtol=1e-5, atol=1e-5)
     if case.joint:  # text tokens: recomputed, reading every text token and the Context (here all) video tokens
@@ -363,8 +413,8 @@ def test_window_recomputes_active_tokens_only(case):
     rest[active] = False
     assert torch.equal(out_w[:, rest], inp[:, rest])
     # a smaller Context changes the Active tokens
-    ctrl.window = WindowPlan(range(1), active, active)
-    _, out_c, _ = _block_io(case, 0)
+    ctrl.window = WindowPlan(range(layer, layer + 1), active, active)
+    _, out_c, _ = _block_io(case, layer)
     assert (out_c[:, active] - dense_out[:, active]).abs().max() > 1e-4
 
 
@@ -423,3 +473,63 @@ def test_masked_attention_with_always_attended_keys(backend):
     ref = torch.softmax(s.masked_fill(~elem, -math.inf), dim=-1) @ torch.cat([v, ev], dim=2)
     out = masked_attention(q, k, v, bm, block=blk, backend=backend, extra_k=ek, extra_v=ev)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ATTN_FAMILIES)
+def test_chorus_hits_with_amplification_and_window(family, tmp_path):
+    eng = Carnator(tiny_pipeline(family, 0), tmp_path, embedder=hashed_embedder(64))
+    settings = {**SETTINGS[family], "num_inference_steps": 8}
+    a = eng.generate("a red ball on grass", seed=1, policy="chorus", **settings)
+    b = eng.generate("a blue ball on grass", seed=2, policy="chorus", **settings)
+    s = b.stats
+    assert not a.stats.hit and s.hit and s.resume_step == 2 and s.notes["stages"] == [2, 6]
+    assert s.notes["amplified_tokens"] == 4  # the bytes of "blue"
+    assert "fallback" not in s.notes and 0 < s.active_fraction <= 1
+
+
+@pytest.mark.parametrize("text_first", [True, False])
+@pytest.mark.parametrize("tgaa", [False, True])
+def test_joint_attention_known_answer(text_first, tgaa):
+    """joint_attention with a block mask, rows with different valid text keys and (optionally) TGAA, against one
+    masked softmax over the whole joint sequence: video-video limited to the mask, padded text keys never attended,
+    text queries dense, and log(scale) added to the cond row's video-to-text logits of the amplified positions."""
+    from carnator.attention.controller import AttentionController
+    from carnator.backbones.attention_common import joint_attention
+
+    g = torch.Generator().manual_seed(3)
+    b, h, n, L, d, blk = 2, 2, 20, 6, 8, 4
+    qv, kv, vv = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+    qt, kt, vt = (torch.randn(b, h, L, d, generator=g) for _ in range(3))
+    valid = torch.ones(b, 1, 1, L, dtype=torch.bool)
+    valid[0, ..., 4:] = False  # row 0 (uncond) has 4 valid text tokens, row 1 all 6
+    ctrl = AttentionController()
+    ctrl.branches, ctrl.step = (1, 0), 0
+    nb = num_blocks(n, blk)
+    bms = {br: (torch.rand(h, nb, nb, generator=g) < 0.4) | torch.eye(nb, dtype=torch.bool) for br in (1, 0)}
+    ms = BlockMaskSet.empty(num_heads=h, q_len=n, kv_len=n, block=blk)
+    for br, m in bms.items():
+        ms.add(0, br, 0, m)
+    ctrl.use_masks(ms)
+    amp = [1, 2]
+    if tgaa:
+        ctrl.amplify = Amplification(amp, 3.0)
+    out_v, out_t = joint_attention(ctrl, 0, (qv, kv, vv), (qt, kt, vt), text_first=text_first, text_valid=valid)
+
+    def joint(v_part, t_part):
+        return torch.cat([t_part, v_part] if text_first else [v_part, t_part], dim=2)
+
+    q, k, v = joint(qv, qt), joint(kv, kt), joint(vv, vt)
+    s_len = n + L
+    vid = torch.arange(L, s_len) if text_first else torch.arange(n)
+    txt = torch.arange(L) if text_first else torch.arange(n, s_len)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(d)
+    allowed = torch.ones(b, h, s_len, s_len, dtype=torch.bool)
+    allowed[..., txt] = valid.expand(b, h, s_len, L)
+    for row, br in enumerate(ctrl.branches):
+        allowed[row][:, vid[:, None], vid[None, :]] = _element_mask(bms[br], n, blk)
+    if tgaa:
+        cond = ctrl.branches.index(0)
+        logits[cond][:, vid[:, None], txt[amp][None, :]] += math.log(3.0)
+    ref = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    torch.testing.assert_close(out_v, ref[:, :, vid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_t, ref[:, :, txt], rtol=1e-5, atol=1e-5)

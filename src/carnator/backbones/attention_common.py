@@ -1,18 +1,21 @@
-"""Pieces the families' attention processors share (evidence recording at the probe layer).
+"""Pieces the families' attention processors share.
 
 Every family's processor forms per-head Q and K of shape (B, H, N, d) and hands the cond row's to
 :func:`record_cross` (visual queries over the text keys) or :func:`record_self` (visual queries over
 the visual keys); both fill the controller's :class:`EvidenceRecord` exactly as the Wan processor does.
+:func:`joint_attention` is the whole attention of the joint text-video families (CogVideoX, HunyuanVideo).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..attention.controller import AttentionController, EvidenceRecord
+from ..attention.kernels import masked_attention
 from .wan_attention import _lse_chunked
 
-__all__ = ["evidence_record", "record_cross", "record_self"]
+__all__ = ["evidence_record", "joint_attention", "record_cross", "record_self"]
 
 
 def evidence_record(ctrl: AttentionController, scale: float) -> EvidenceRecord:
@@ -48,3 +51,81 @@ def record_self(ctrl: AttentionController, q: torch.Tensor, k: torch.Tensor, sca
     rec = evidence_record(ctrl, scale)
     rec.q, rec.k = q[b].detach().clone(), k[b].detach().clone()
     rec.lse = _lse_chunked(rec.q, rec.k, scale, ctrl.lse_chunk)
+
+
+def _key_bias(valid: torch.Tensor) -> torch.Tensor:
+    """Additive logit bias (0 / -inf) from a bool key mask."""
+    return torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill(~valid, float("-inf"))
+
+
+def joint_attention(
+    ctrl: AttentionController,
+    layer: int,
+    video: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    text: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    text_first: bool,
+    text_valid: torch.Tensor | None = None,
+    windowed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One joint text-video attention (CogVideoX, HunyuanVideo), as the controller asks; returns (out_video, out_text).
+
+    video = (q_v, k_v, v_v), text = (q_t, k_t, v_t), each (B, H, S, d) after norms and RoPE; the model's
+    sequence is text then video (``text_first``) or video then text. ``text_valid``: bool (B, 1, 1, L) of the
+    text keys every query may attend (None: all; video keys are always valid). ``windowed``: the video
+    queries are the Active tokens and the video keys the Context tokens (no recording, capture or mask).
+
+    The probe record reads the joint attention's blocks: the video-text block as the cross-attention
+    (the video queries' softmax over the valid text keys) and the video-video block as the self-attention.
+    Block masks cover the video-video block: video queries attend to the allowed video key blocks and
+    every valid text key; text queries attend to every valid key, as in the model. TGAA adds its bias to
+    the video queries' text logits.
+    """
+    (qv, kv, vv), (qt, kt, vt) = video, text
+    scale = qv.shape[-1] ** -0.5
+    n_txt, n_kv = kt.shape[2], kv.shape[2]
+
+    def joint(v_part: torch.Tensor, t_part: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        return torch.cat([t_part, v_part] if text_first else [v_part, t_part], dim=dim)
+
+    if not windowed:
+        if ctrl.recording(layer):
+            record_cross(ctrl, qv, kt, scale, None if text_valid is None else _key_bias(text_valid))
+            record_self(ctrl, qv, kv, scale)
+        if ctrl.capturing(layer):
+            ctrl.capture(layer, qv, kv)
+    bm = None if windowed else ctrl.cached_mask(layer, qv.device)
+    bias = ctrl.cross_bias(n_txt, qv.device, qv.dtype)
+    k, v = joint(kv, kt), joint(vv, vt)
+    key_mask = None
+    if text_valid is not None:
+        key_mask = joint(text_valid.new_ones(*text_valid.shape[:-1], n_kv), text_valid, -1)
+    if bm is None and bias is None:
+        out = F.scaled_dot_product_attention(joint(qv, qt), k, v, attn_mask=key_mask)
+        return (out[:, :, n_txt:], out[:, :, :n_txt]) if text_first else (out[:, :, : qv.shape[2]], out[:, :, qv.shape[2]:])
+    out_t = F.scaled_dot_product_attention(qt, k, v, attn_mask=key_mask)  # text queries: every valid key, as the model
+    if bias is None:  # video queries: the allowed video key blocks and every valid text key
+        blk = ctrl.masks.block
+        if text_valid is None:
+            out_v = masked_attention(qv, kv, vv, bm, block=blk, extra_k=kt, extra_v=vt)
+        else:  # the valid text keys differ per row
+            rows = []
+            for b in range(qv.shape[0]):
+                ok = text_valid[b].reshape(-1)
+                rows.append(masked_attention(qv[b:b + 1], kv[b:b + 1], vv[b:b + 1], bm[b:b + 1], block=blk,
+                                             extra_k=kt[b:b + 1, :, ok], extra_v=vt[b:b + 1, :, ok]))
+            out_v = torch.cat(rows)
+        return out_v, out_t
+    # TGAA on the video-to-text logits (with a block mask too: as an element mask, at dense cost)
+    logit = joint(bias.new_zeros(*bias.shape[:-1], n_kv), bias, -1)
+    if key_mask is not None:
+        logit = logit.masked_fill(~key_mask, float("-inf"))
+    if bm is not None:
+        blk = ctrl.masks.block
+        qi = torch.arange(qv.shape[2], device=qv.device) // blk
+        ki = torch.arange(n_kv, device=qv.device) // blk
+        elem = bm[:, :, qi][..., ki]
+        allowed = joint(elem, elem.new_ones(*elem.shape[:-1], n_txt), -1)
+        logit = logit.masked_fill(~allowed, float("-inf"))
+    out_v = F.scaled_dot_product_attention(qv, k, v, attn_mask=logit)
+    return out_v, out_t

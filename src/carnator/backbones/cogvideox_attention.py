@@ -23,11 +23,9 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 
 from ..attention.controller import AttentionController
-from ..attention.kernels import masked_attention
-from .attention_common import record_cross, record_self
+from .attention_common import joint_attention
 
 
 class CarnatorCogVideoXProcessor:
@@ -63,35 +61,10 @@ class CarnatorCogVideoXProcessor:
             q[:, :, n_txt:] = apply_rotary_emb(q[:, :, n_txt:], image_rotary_emb)
             if not attn.is_cross_attention:
                 k[:, :, n_txt:] = apply_rotary_emb(k[:, :, n_txt:], image_rotary_emb if kv_rotary is None else kv_rotary)
-        scale = q.shape[-1] ** -0.5
-        q_t, q_v = q[:, :, :n_txt], q[:, :, n_txt:]
-        k_t, k_v, v_t, v_v = k[:, :, :n_txt], k[:, :, n_txt:], v[:, :, :n_txt], v[:, :, n_txt:]
-
-        if kv_states is None:
-            if ctrl.recording(self.layer):
-                record_cross(ctrl, q_v, k_t, scale)
-                record_self(ctrl, q_v, k_v, scale)
-            if ctrl.capturing(self.layer):
-                ctrl.capture(self.layer, q_v, k_v)
-        bm = ctrl.cached_mask(self.layer, q.device) if kv_states is None else None
-        bias = ctrl.cross_bias(n_txt, q.device, q.dtype)
-        if bm is None and bias is None:
-            out = F.scaled_dot_product_attention(q, k, v)
-        else:
-            out_t = F.scaled_dot_product_attention(q_t, k, v)  # text queries: every key, as the model
-            if bias is None:  # video queries: the allowed video key blocks and every text key
-                out_v = masked_attention(q_v, k_v, v_v, bm, block=ctrl.masks.block, extra_k=k_t, extra_v=v_t)
-            else:  # TGAA on the video-to-text logits (with a block mask: as an element mask, dense cost)
-                logit_bias = torch.cat([bias, bias.new_zeros(*bias.shape[:-1], k_v.shape[2])], dim=-1)
-                if bm is not None:
-                    blk = ctrl.masks.block
-                    qi = torch.arange(q_v.shape[2], device=q.device) // blk
-                    ki = torch.arange(k_v.shape[2], device=q.device) // blk
-                    elem = bm[:, :, qi][..., ki]
-                    allowed = torch.cat([elem.new_ones(*elem.shape[:-1], n_txt), elem], dim=-1)
-                    logit_bias = logit_bias.masked_fill(~allowed, float("-inf"))
-                out_v = F.scaled_dot_product_attention(q_v, k, v, attn_mask=logit_bias)
-            out = torch.cat([out_t, out_v], dim=2)
+        video = (q[:, :, n_txt:], k[:, :, n_txt:], v[:, :, n_txt:])
+        text = (q[:, :, :n_txt], k[:, :, :n_txt], v[:, :, :n_txt])
+        out_v, out_t = joint_attention(ctrl, self.layer, video, text, text_first=True, windowed=kv_states is not None)
+        out = torch.cat([out_t, out_v], dim=2)
         b = out.shape[0]
         out = out.transpose(1, 2).reshape(b, -1, heads * out.shape[-1])
         out = attn.to_out[1](attn.to_out[0](out))

@@ -30,6 +30,7 @@ def _default_template() -> dict[str, Any]:
 class HunyuanVideoAdapter(BackboneAdapter):
     family = "hunyuan"
     pipeline_classes = ("HunyuanVideoPipeline",)
+    supports_attention = True
     intra_cache_options = {
         "taylorseer": {"cache_identifiers": [r"transformer_blocks\.\d+\.(attn|ff|ff_context)", r"single_transformer_blocks\.\d+\.(attn|proj_mlp)"]},
         # Guidance-distilled: FasterCache's uncond skipping applies only with true CFG (then batched, uncond first).
@@ -48,6 +49,16 @@ class HunyuanVideoAdapter(BackboneAdapter):
     def __init__(self, pipe):
         super().__init__(pipe)
         self.prompt_template: dict[str, Any] = _default_template()
+
+    def install_attention(self, controller) -> None:
+        from .hunyuan_attention import apply_carnator_attention
+
+        apply_carnator_attention(self.transformer, controller)
+
+    def num_layers(self) -> int:
+        """Dual-stream blocks, then single-stream blocks (carnator's layer numbering)."""
+        tr = self.transformer
+        return len(tr.transformer_blocks) + len(tr.single_transformer_blocks)
 
     def defaults(self) -> GenerationDefaults:
         return GenerationDefaults(num_inference_steps=50, num_frames=129, height=720, width=1280, guidance_scale=6.0)
@@ -171,11 +182,14 @@ class HunyuanVideoAdapter(BackboneAdapter):
             if cond.do_cfg and self._one_forward_cfg():
                 # An intra-request cache with one state for every call: both branches in one batch, uncond first.
                 u, c = cond.data["uncond"], cond.data["cond"]
+                self._branches((1, 0), step)
                 both = forward("cond_uncond", {k: torch.cat([u[k], c[k]]) for k in c}, torch.cat([x, x]))
                 neg, out = both.chunk(2)
                 return neg + self.true_cfg_scale * (out - neg)
+            self._branches((0,), step)
             out = forward("cond", cond.data["cond"], x)
             if cond.do_cfg:
+                self._branches((1,), step)
                 neg = forward("uncond", cond.data["uncond"], x)
                 out = neg + self.true_cfg_scale * (out - neg)
         return out

@@ -46,8 +46,9 @@ model for the regions), each a documented rule here:
   ``stage3_start = 0.8`` and ``tgaa_scale = 2.0`` are chosen knobs.
 - An empty diff (the same nouns and attributes) has nothing to recompute: stage 2 is skipped and
   the target resumes at ``s`` from the source's latent.
-- Adapters without attention processors (LTX-Video, HunyuanVideo, CogVideoX) fall back to dense
-  generation with a warning, as carnator does.
+- Adapters without attention processors fall back to dense generation with a warning, as carnator
+  does (every shipped family has them; for the joint-attention families, CogVideoX and HunyuanVideo,
+  TGAA biases the video queries' logits of the text tokens in the joint attention).
 
 Limitations: the diff is lexical (synonyms such as ball / circle count as differences; a changed
 motion does not); a hit's entry lacks the trajectory before its resume step, so (as with the other
