@@ -37,15 +37,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 PROMPT = "a small red ball moving left on grass"
-ATTN_FAMILIES = ["ltx", "cogvideox", "hunyuan"]
-# Sizes with a few blocks of tokens: LTX 3 x 8 x 8 = 192 tokens (blocks of 16); CogVideoX at 64 x 64 and
-# HunyuanVideo, 3 x 4 x 4 = 48 (blocks of 8).
+ATTN_FAMILIES = ["wan", "ltx", "cogvideox", "hunyuan"]
+# Sizes with a few blocks of tokens: LTX 3 x 8 x 8 = 192 tokens (blocks of 16); Wan and CogVideoX at 64 x 64,
+# and HunyuanVideo, 3 x 4 x 4 = 48 (blocks of 8).
 SETTINGS = {
+    "wan": {**TINY_SETTINGS["wan"], "height": 64, "width": 64},
     "ltx": TINY_SETTINGS["ltx"],
     "cogvideox": {**TINY_SETTINGS["cogvideox"], "height": 64, "width": 64},
     "hunyuan": TINY_SETTINGS["hunyuan"],
 }
-BLOCKS = {"ltx": 16, "cogvideox": 8, "hunyuan": 8}
+BLOCKS = {"wan": 8, "ltx": 16, "cogvideox": 8, "hunyuan": 8}
 JOINT = {"cogvideox", "hunyuan"}
 NEGATIVE = "blurry, low quality"
 
@@ -85,6 +86,8 @@ class Case:
 
     def blocks(self) -> list:
         tr = self.pipe.transformer
+        if self.family == "wan":
+            return list(tr.blocks)
         return list(tr.transformer_blocks) + list(getattr(tr, "single_transformer_blocks", []))
 
     @staticmethod
@@ -181,8 +184,10 @@ def _masked_reference(case: Case, masks: dict[int, torch.Tensor]):
         return full if key_mask is None else full & key_mask
 
     with case.diffusers():
-        if case.family in ("ltx", "hunyuan"):
-            if case.family == "ltx":
+        if case.family in ("wan", "ltx", "hunyuan"):
+            if case.family == "wan":
+                import diffusers.models.transformers.transformer_wan as mod
+            elif case.family == "ltx":
                 import diffusers.models.transformers.transformer_ltx as mod
             else:
                 import diffusers.models.transformers.transformer_hunyuan_video as mod
@@ -190,7 +195,7 @@ def _masked_reference(case: Case, masks: dict[int, torch.Tensor]):
             orig = mod.dispatch_attention_fn
 
             def dispatch(q, k, v, attn_mask=None, **kw):  # q, k, v: (B, S, H, D); joint: video first
-                if current and (case.family == "hunyuan" or attn_mask is None):
+                if current and (case.joint or (attn_mask is None and q.shape[1] == k.shape[1] == case.n)):
                     elem = elem_for(current.pop(), q.shape[1], False, attn_mask)
                     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=elem)
                     return o.transpose(1, 2)
@@ -250,6 +255,23 @@ def _reference_qk(case: Case, layer: int):
         return x.transpose(1, 2)[0]
 
     with torch.no_grad():
+        if case.family == "wan":  # RoPE as diffusers' WanAttnProcessor: pairs (0::2, 1::2), cos/sin (1, N, 1, D)
+
+            def rope(t, cos, sin):
+                x1, x2 = t.unflatten(-1, (-1, 2)).unbind(-1)
+                out = torch.empty_like(t)
+                out[..., 0::2] = x1 * cos[..., 0::2] - x2 * sin[..., 1::2]
+                out[..., 1::2] = x1 * sin[..., 1::2] + x2 * cos[..., 0::2]
+                return out
+
+            x, rot = arg(0, 0, "hidden_states"), arg(0, 3, "rotary_emb")
+            qv = rope(a1.norm_q(a1.to_q(x)).unflatten(2, (heads, -1)), *rot)
+            kv = rope(a1.norm_k(a1.to_k(x)).unflatten(2, (heads, -1)), *rot)
+            a2 = blk.attn2
+            x2, enc = arg(1, 0, "hidden_states"), arg(1, 1, "encoder_hidden_states")
+            q2 = a2.norm_q(a2.to_q(x2)).unflatten(2, (heads, -1))
+            kt = a2.norm_k(a2.to_k(enc)).unflatten(2, (heads, -1))
+            return hd(q2), hd(kt), None, hd(qv), hd(kv)
         if case.family == "ltx":
             from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
 

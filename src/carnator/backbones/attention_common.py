@@ -1,8 +1,8 @@
 """Pieces the families' attention processors share.
 
-Every family's processor forms per-head Q and K of shape (B, H, N, d) and hands the cond row's to
-:func:`record_cross` (visual queries over the text keys) or :func:`record_self` (visual queries over
-the visual keys); both fill the controller's :class:`EvidenceRecord` exactly as the Wan processor does.
+Every family's processor (Wan's too) forms per-head Q and K of shape (B, H, N, d) and hands the cond
+row's to :func:`record_cross` (visual queries over the text keys) or :func:`record_self` (visual
+queries over the visual keys); both fill the controller's :class:`EvidenceRecord`.
 :func:`joint_attention` is the whole attention of the joint text-video families (CogVideoX, HunyuanVideo).
 """
 
@@ -13,9 +13,16 @@ import torch.nn.functional as F
 
 from ..attention.controller import AttentionController, EvidenceRecord
 from ..attention.kernels import masked_attention
-from .wan_attention import _lse_chunked
 
 __all__ = ["evidence_record", "joint_attention", "record_cross", "record_self"]
+
+
+def _lse_chunked(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int) -> torch.Tensor:
+    """Row log-sum-exp of softmax(q k^T * scale) for (H, N, d) inputs, chunked over queries."""
+    out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for a in range(0, q.shape[1], chunk):
+        out[:, a:a + chunk] = torch.logsumexp(torch.einsum("hnd,hmd->hnm", q[:, a:a + chunk].float(), k.float()) * scale, dim=-1)
+    return out
 
 
 def evidence_record(ctrl: AttentionController, scale: float) -> EvidenceRecord:

@@ -20,8 +20,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..attention.controller import AttentionController, EvidenceRecord
+from ..attention.controller import AttentionController
 from ..attention.kernels import masked_attention
+from .attention_common import record_cross, record_self
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -32,14 +33,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     out[..., 0::2] = x1 * c - x2 * s
     out[..., 1::2] = x1 * s + x2 * c
     return out.type_as(x)
-
-
-def _lse_chunked(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int) -> torch.Tensor:
-    """Row log-sum-exp of softmax(q k^T * scale) for (H, N, d) inputs, chunked over queries."""
-    out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    for a in range(0, q.shape[1], chunk):
-        out[:, a:a + chunk] = torch.logsumexp(torch.einsum("hnd,hmd->hnm", q[:, a:a + chunk].float(), k.float()) * scale, dim=-1)
-    return out
 
 
 class CarnatorWanProcessor:
@@ -69,19 +62,10 @@ class CarnatorWanProcessor:
         scale = q.shape[-1] ** -0.5
 
         if ctrl.recording(self.layer) and kv_states is None:
-            b = ctrl.branches.index(0)
-            rec = ctrl.evidence if ctrl.evidence is not None else EvidenceRecord(positions=list(ctrl.record_positions), scale=scale)
-            ctrl.evidence = rec
             if self.cross:
-                pos = torch.as_tensor(rec.positions, dtype=torch.long, device=q.device)
-                cols = []
-                for a in range(0, q.shape[2], ctrl.lse_chunk):
-                    p = torch.softmax(torch.einsum("hnd,hmd->hnm", q[b, :, a:a + ctrl.lse_chunk].float(), k[b].float()) * scale, dim=-1)
-                    cols.append(p[..., pos])
-                rec.cross = torch.cat(cols, dim=1)
+                record_cross(ctrl, q, k, scale)
             else:
-                rec.q, rec.k = q[b].detach().clone(), k[b].detach().clone()
-                rec.lse = _lse_chunked(rec.q, rec.k, scale, ctrl.lse_chunk)
+                record_self(ctrl, q, k, scale)
 
         if self.cross:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctrl.cross_bias(k.shape[2], q.device, q.dtype))
