@@ -555,3 +555,13 @@ def test_joint_attention_known_answer(text_first, tgaa):
     ref = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1) @ v
     torch.testing.assert_close(out_v, ref[:, :, vid], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out_t, ref[:, :, txt], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ATTN_FAMILIES)
+def test_chorus2_reuses_the_neighbours_block_masks(family, tmp_path):
+    eng = Carnator(tiny_pipeline(family, 0), tmp_path, embedder=hashed_embedder(64))
+    settings = {**SETTINGS[family], "num_inference_steps": 3}
+    a = eng.generate("a red ball on grass", seed=1, policy="chorus2", **settings)
+    b = eng.generate("a blue ball on grass", seed=2, policy="chorus2", **settings)
+    assert not a.stats.hit and b.stats.hit and b.stats.source_id == a.stats.entry_id
+    assert 0 < b.stats.mask_density <= 1
