@@ -1,4 +1,4 @@
-"""Carnator's attention processors on the non-Wan families, against diffusers' own transformers.
+"""Carnator's attention processors on every family (Wan, LTX-Video, CogVideoX, HunyuanVideo), against diffusers.
 
 On each family's tiny offline pipeline, the transformer is called with exactly the inputs the
 adapter's ``predict`` gives it (one CFG batch), once with diffusers' processors (the reference) and
@@ -13,7 +13,10 @@ once with carnator's installed:
 - the Active-token window: with Context = every token, Active tokens equal the dense block's outputs
   and the others pass unchanged;
 - TGAA: scale 1 is bit-identical; another scale changes the cond row only;
-- ``Carnator(pipe).generate(..., policy="carnator")`` hits a warm cache and reports a mask density.
+- ``Carnator(pipe).generate(..., policy="carnator")`` hits a warm cache and reports a mask density;
+  chorus (TGAA, window) and chorus2 (mask reuse) hit too.
+Plus known answers for the shared pieces: ``masked_attention(extra_k=...)`` and ``joint_attention``
+(rows with different valid text keys, TGAA together with a block mask).
 """
 
 from __future__ import annotations
