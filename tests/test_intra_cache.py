@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from carnator.reuse import ScopeConfig
 from carnator import Carnator, EngineConfig
 from carnator.cli import main
 from carnator.errors import CarnatorError
@@ -316,7 +317,9 @@ def test_composed_with_carnator_a_hit_still_happens(intra, embedded, tmp_path):
 def test_composed_with_chorus_the_window_switches_restart_the_state(embedded, tmp_path):
     """chorus recomputes only Active tokens in the middle layers during stage 2 and everything in stage 3: the
     shapes TaylorSeer's hooked layers see change at both switches, so its state restarts there."""
-    eng = engine(embedded, tmp_path, "taylorseer:warmup=1,interval=2")
+    # A tight region (no dilation, high hysteresis) so that it is partial whatever the shipped weights attend to.
+    tight = {"region_high": 0.9, "region_low": 0.8, "scope": ScopeConfig(active_dilation=0, context_dilation=1)}
+    eng = engine(embedded, tmp_path, "taylorseer:warmup=1,interval=2", policy_options={"chorus": tight})
     a = gen(eng, steps=8, policy="chorus", store=True)
     b = gen(eng, steps=8, prompt="a small red box moving left on grass", seed=2, policy="chorus", store=True)
     s = b.stats

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 import numpy as np
@@ -31,7 +33,9 @@ class EmbeddedAdapter(WanAdapter):
 
     def model_identity(self) -> str:
         if self.pipe.weights_sha256:
-            return f"embedded-{self.pipe.weights_sha256[:16]}"
+            # The weights and the config they ship with (sampling shift, guidance, ...): either changes the trajectories.
+            cfg = json.dumps(self.cfg.to_dict(), sort_keys=True)
+            return f"embedded-{hashlib.sha256((self.pipe.weights_sha256 + cfg).encode()).hexdigest()[:16]}"
         return super().model_identity()
 
     def defaults(self) -> GenerationDefaults:

@@ -115,6 +115,9 @@ def blend_weight(evidence: np.ndarray, cfg: ScopeConfig = ScopeConfig()) -> np.n
     for t, frame in enumerate(ev):
         if not frame.any():
             continue
+        if r == 0 or width == 0:  # no band: W is the Evidence mask itself
+            w[t] = frame
+            continue
         d = distance_transform_cdt(~frame, metric="chessboard").astype(np.float64)
         ramp = 1.0 - smoothstep(d / width)
         w[t] = np.where(frame, 1.0, np.where(d <= r, ramp, 0.0))
