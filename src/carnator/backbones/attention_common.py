@@ -136,3 +136,21 @@ def joint_attention(
         logit = logit.masked_fill(~allowed, float("-inf"))
     out_v = F.scaled_dot_product_attention(qv, k, v, attn_mask=logit)
     return out_v, out_t
+
+
+def install(transformer, controller: AttentionController, blocks) -> None:
+    """Install carnator's processors and window-aware block forwards on ``transformer``. Idempotent.
+
+    ``blocks``: ``(block, {attention module: processor}, window_forward)`` per layer, in layer order;
+    ``window_forward(block, controller, layer, original_forward)`` returns the block's new forward.
+    The original forward is kept on the block, so a second controller re-wraps it, not the wrapper.
+    """
+    if getattr(transformer, "_carnator_controller", None) is controller:
+        return
+    for i, (blk, processors, window_forward) in enumerate(blocks):
+        for attn, proc in processors.items():
+            attn.set_processor(proc)
+        original = getattr(blk, "_carnator_original_forward", None) or blk.forward
+        blk._carnator_original_forward = original
+        blk.forward = window_forward(blk, controller, i, original)
+    transformer._carnator_controller = controller

@@ -25,7 +25,7 @@ import types
 import torch
 
 from ..attention.controller import AttentionController
-from .attention_common import joint_attention
+from .attention_common import install, joint_attention
 
 
 class CarnatorCogVideoXProcessor:
@@ -104,11 +104,6 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
 
 def apply_carnator_attention(transformer, controller: AttentionController) -> None:
     """Install carnator's processors (and window-aware block forwards) on a CogVideoXTransformer3DModel. Idempotent."""
-    if getattr(transformer, "_carnator_controller", None) is controller:
-        return
-    for i, blk in enumerate(transformer.transformer_blocks):
-        blk.attn1.set_processor(CarnatorCogVideoXProcessor(controller, i))
-        original = getattr(blk, "_carnator_original_forward", None) or blk.forward
-        blk._carnator_original_forward = original
-        blk.forward = _window_block_forward(blk, controller, i, original)
-    transformer._carnator_controller = controller
+    install(transformer, controller, [
+        (blk, {blk.attn1: CarnatorCogVideoXProcessor(controller, i)}, _window_block_forward)
+        for i, blk in enumerate(transformer.transformer_blocks)])

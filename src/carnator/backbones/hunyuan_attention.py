@@ -22,7 +22,7 @@ import types
 import torch
 
 from ..attention.controller import AttentionController
-from .attention_common import joint_attention
+from .attention_common import install, joint_attention
 
 
 class CarnatorHunyuanProcessor:
@@ -142,14 +142,9 @@ def _window_single_forward(block, ctrl: AttentionController, layer: int, origina
 
 
 def apply_carnator_attention(transformer, controller: AttentionController) -> None:
-    """Install carnator's processors (and window-aware block forwards) on a HunyuanVideoTransformer3DModel. Idempotent."""
-    if getattr(transformer, "_carnator_controller", None) is controller:
-        return
-    blocks = [(b, _window_dual_forward) for b in transformer.transformer_blocks]
-    blocks += [(b, _window_single_forward) for b in transformer.single_transformer_blocks]
-    for i, (blk, window_forward) in enumerate(blocks):
-        blk.attn.set_processor(CarnatorHunyuanProcessor(controller, i))
-        original = getattr(blk, "_carnator_original_forward", None) or blk.forward
-        blk._carnator_original_forward = original
-        blk.forward = window_forward(blk, controller, i, original)
-    transformer._carnator_controller = controller
+    """Install carnator's processors (and window-aware block forwards) on a HunyuanVideoTransformer3DModel. Idempotent.
+
+    Layers are numbered over the dual-stream blocks first, then the single-stream ones."""
+    kinds = [(b, _window_dual_forward) for b in transformer.transformer_blocks]
+    kinds += [(b, _window_single_forward) for b in transformer.single_transformer_blocks]
+    install(transformer, controller, [(blk, {blk.attn: CarnatorHunyuanProcessor(controller, i)}, fwd) for i, (blk, fwd) in enumerate(kinds)])

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..attention.controller import AttentionController
 from ..attention.kernels import masked_attention
-from .attention_common import record_cross, record_self
+from .attention_common import install, record_cross, record_self
 
 
 def _rope(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -122,12 +122,7 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
 
 def apply_carnator_attention(transformer, controller: AttentionController) -> None:
     """Install carnator's processors (and window-aware block forwards) on an LTXVideoTransformer3DModel. Idempotent."""
-    if getattr(transformer, "_carnator_controller", None) is controller:
-        return
-    for i, blk in enumerate(transformer.transformer_blocks):
-        blk.attn1.set_processor(CarnatorLTXProcessor(controller, i, cross=False))
-        blk.attn2.set_processor(CarnatorLTXProcessor(controller, i, cross=True))
-        original = getattr(blk, "_carnator_original_forward", None) or blk.forward
-        blk._carnator_original_forward = original
-        blk.forward = _window_block_forward(blk, controller, i, original)
-    transformer._carnator_controller = controller
+    install(transformer, controller, [
+        (blk, {blk.attn1: CarnatorLTXProcessor(controller, i, cross=False), blk.attn2: CarnatorLTXProcessor(controller, i, cross=True)},
+         _window_block_forward)
+        for i, blk in enumerate(transformer.transformer_blocks)])

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..attention.controller import AttentionController
 from ..attention.kernels import masked_attention
-from .attention_common import record_cross, record_self
+from .attention_common import install, record_cross, record_self
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,12 +110,7 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
 
 def apply_carnator_attention(transformer, controller: AttentionController) -> None:
     """Install carnator's processors (and window-aware block forwards) on a WanTransformer3DModel. Idempotent."""
-    if getattr(transformer, "_carnator_controller", None) is controller:
-        return
-    for i, blk in enumerate(transformer.blocks):
-        blk.attn1.set_processor(CarnatorWanProcessor(controller, i, cross=False))
-        blk.attn2.set_processor(CarnatorWanProcessor(controller, i, cross=True))
-        original = getattr(blk, "_carnator_original_forward", None) or blk.forward
-        blk._carnator_original_forward = original
-        blk.forward = _window_block_forward(blk, controller, i, original)
-    transformer._carnator_controller = controller
+    install(transformer, controller, [
+        (blk, {blk.attn1: CarnatorWanProcessor(controller, i, cross=False), blk.attn2: CarnatorWanProcessor(controller, i, cross=True)},
+         _window_block_forward)
+        for i, blk in enumerate(transformer.blocks)])
