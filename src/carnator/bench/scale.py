@@ -69,20 +69,20 @@ _UMT5_XXL = {"vocab_size": 256384, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "
              "relative_attention_num_buckets": 32, "feed_forward_proj": "gated-gelu"}
 _WAN_ATTN = {"cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024, "freq_dim": 256}
 
+_WAN21_13B = {"patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
+              "text_dim": 4096, "ffn_dim": 8960, "num_layers": 30, **_WAN_ATTN}
+_WAN21_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "temperal_downsample": [False, True, True]}
+
 SPECS: dict[str, ScaleSpec] = {
     "wan2.1-1.3b": ScaleSpec(
         name="wan2.1-1.3b",
-        transformer={"patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
-                     "out_channels": 16, "text_dim": 4096, "ffn_dim": 8960, "num_layers": 30, **_WAN_ATTN},
-        vae={"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "temperal_downsample": [False, True, True]},
+        transformer=_WAN21_13B, vae=_WAN21_VAE,
         text=_UMT5_XXL, height=480, width=832, frames=81, flow_shift=3.0,
         note="Wan2.1-T2V-1.3B-Diffusers configs; UMT5-XXL text encoder",
     ),
     "wan2.1-1.3b-720p": ScaleSpec(
         name="wan2.1-1.3b-720p",
-        transformer={"patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
-                     "out_channels": 16, "text_dim": 4096, "ffn_dim": 8960, "num_layers": 30, **_WAN_ATTN},
-        vae={"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "temperal_downsample": [False, True, True]},
+        transformer=_WAN21_13B, vae=_WAN21_VAE,
         text=_UMT5_XXL, height=720, width=1280, frames=81, flow_shift=5.0,
         note="Wan2.1-T2V-1.3B at 1280x720 (75,600 tokens), the setting the paper's latencies suggest",
     ),
