@@ -1,8 +1,9 @@
 """``carnator demo``: a short stream of related requests on the embedded model through a policy.
 
-Prints per request whether it hit, its source, resume step, mask density and speedup over the
-stream's dense reference (the DiT time of the first request, a miss that runs every step), and
-writes the clips plus an HTML page that shows them.
+Prints per request whether it hit, its source, resume step, mask density and speedup over a dense
+reference (the E2E time of one dense generation of the stream's first prompt, run after a short
+warm-up with a seed outside the stream and not stored), and writes the clips plus an HTML page
+that shows them.
 """
 
 from __future__ import annotations
@@ -33,19 +34,24 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
     from .video import write_video
 
     out.mkdir(parents=True, exist_ok=True)
-    rows, ref = [], None
+    # The dense reference, measured like every request but after the one-time costs (model kernels,
+    # the recall embedder) are paid; seed 0 is outside the stream and nothing is stored.
+    first = STREAM[0][0]
+    engine.generate(first, seed=0, policy="dense", num_inference_steps=2, store=False)
+    engine.embedder(first)
+    ref = engine.generate(first, seed=0, policy="dense", num_inference_steps=steps, store=False).stats.timings["total"]
+    progress(f"dense reference: {ref:.2f}s")
+    rows = []
     for i, (prompt, seed) in enumerate(STREAM):
         res = engine.generate(prompt, seed=seed, policy=policy, num_inference_steps=steps)
         s = res.stats
         total = s.timings["total"]
-        if ref is None and not s.hit:
-            ref = total
         gif = f"{i:02d}.gif"
         write_video(res.frames, out / gif)
         row = {
             "i": i, "prompt": prompt, "seed": seed, "hit": s.hit, "exact": s.exact_hit, "source": s.source_id,
             "resume_step": s.resume_step, "mask_density": s.mask_density, "active_fraction": s.active_fraction,
-            "seconds": round(total, 3), "speedup": round(ref / total, 2) if ref else None, "gif": gif,
+            "seconds": round(total, 3), "speedup": round(ref / total, 2), "gif": gif,
         }
         rows.append(row)
         kind = "exact" if s.exact_hit else ("hit" if s.hit else "miss")
