@@ -104,3 +104,20 @@ def test_wan_signature_decodes_only_the_tail_latent_frame():
     np.testing.assert_allclose(tail, ad.decode(lat[:, :, -1:], req)[-1])
     # Wan's VAE is causal: a prefix decodes exactly as in the whole clip (why one tail frame is a faithful stand-in for its content)
     np.testing.assert_allclose(ad.decode(lat[:, :, :1], req)[0], ad.decode(lat, req)[0], atol=1e-6)
+
+
+def test_a_reused_video_is_an_exact_hit_for_carnator_but_not_for_dense(tmp_path):
+    """An identical request may get the stored video back, except that dense never gets a video made by reuse."""
+    eng = make_engine(tmp_path, OPEN)
+    a = eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
+    b = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
+    assert b.stats.hit and eng.bank.get(b.stats.entry_id).extra["approximate"] is True
+    assert eng.bank.get(a.stats.entry_id).extra["approximate"] is False
+    again = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
+    assert again.stats.exact_hit and again.stats.source_id == b.stats.entry_id
+    dense = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS, policy="dense")
+    assert not dense.stats.exact_hit and not dense.stats.hit
+    assert dense.stats.dit_forwards == 2 * STEPS
+    # and a dense video of an identical request is served to dense
+    dense2 = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS, policy="dense")
+    assert dense2.stats.exact_hit and dense2.stats.source_id == dense.stats.entry_id

@@ -207,6 +207,8 @@ class Carnator:
         exact_key = req.exact_key(self.cache_identity)
         t0 = time.perf_counter()
         hit = self.bank.lookup_exact(req.tenant, exact_key)
+        if hit is not None and hit.extra.get("approximate") and not pol.accepts_approximate_exact:
+            hit = None
         if hit is not None:
             tensors = self.bank.load(hit.id, ["video"])
             if tensors is not None:
@@ -278,7 +280,8 @@ class Carnator:
         if self.config.store_video:
             tensors["video"] = torch.from_numpy(np.ascontiguousarray(frames))
         tensors.update(plan.entry_tensors)
-        extra = {"steps": req.num_inference_steps, **plan.entry_extra}
+        # "approximate": the video came from reuse, not from every step of this request's own trajectory.
+        extra = {"steps": req.num_inference_steps, "approximate": bool(plan.hit), **plan.entry_extra}
         try:
             return self.bank.admit(
                 tenant=req.tenant, compat_key=ctx.compat_key, exact_key=exact_key if self.config.store_video else None,

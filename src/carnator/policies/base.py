@@ -39,6 +39,9 @@ class Policy(ABC):
     """Decides, per request, whether and how to reuse cached work."""
 
     name: ClassVar[str]
+    #: whether an identical earlier request's stored video may be returned when that video was itself
+    #: produced by reuse (an approximation of the dense result). The dense baseline says no.
+    accepts_approximate_exact: ClassVar[bool] = True
 
     @abstractmethod
     def plan(self, ctx: "RequestContext") -> Plan: ...
