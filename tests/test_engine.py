@@ -396,3 +396,33 @@ def test_default_embedder_is_minilm(pipe, tmp_path):
     near = float(e(PROMPT) @ e("a red ball rolling past a blue box"))
     far = float(e(PROMPT) @ e("stock market prices fell sharply today"))
     assert near > far + 0.2
+
+
+def test_an_attention_plan_left_by_one_engine_never_reaches_another_on_the_same_pipeline(tmp_path, ref_video):
+    """Two engines over one pipeline (as ``bench-scale`` builds a second one for a composed run) share one
+    transformer, hence one set of carnator processors: the second engine's request starts from a reset plan."""
+    from carnator.attention.blockmask import BlockMaskSet, num_blocks
+    from carnator.request import Request
+
+    pipe = tiny_pipeline("wan")
+    first = Carnator(pipe, tmp_path / "a", embedder=fake_embedder())
+    ctrl = first.adapter.attention()
+    t, h, w = first.adapter.token_grid(Request(prompt=PROMPT, seed=SEED, **S))
+    n, heads, block = t * h * w, pipe.transformer.config.num_attention_heads, 1
+    nb = num_blocks(n, block)
+    ms = BlockMaskSet.empty(num_heads=heads, q_len=n, kv_len=n, block=block)
+    for layer in range(first.adapter.num_layers()):
+        for br in (0, 1):
+            ms.add(0, br, layer, torch.eye(nb, dtype=torch.bool).expand(heads, nb, nb).clone())  # own block only
+    ctrl.use_masks(ms)
+    # the plan is real: applied, it changes a forward of the transformer
+    x = torch.randn(1, 16, t, 2 * h, 2 * w, generator=torch.Generator().manual_seed(0))  # patch (1, 2, 2)
+    kw = {"hidden_states": x, "timestep": torch.tensor([500.0]), "encoder_hidden_states": torch.randn(1, 8, pipe.transformer.config.text_dim), "return_dict": False}
+    with torch.no_grad():
+        masked = pipe.transformer(**kw)[0]
+        ctrl.use_masks(None)
+        plain = pipe.transformer(**kw)[0]
+        ctrl.use_masks(ms)
+    assert (masked - plain).abs().max() > 1e-3
+    second = Carnator(pipe, tmp_path / "b", embedder=fake_embedder())  # a new adapter on the same transformer
+    assert float(np.abs(gen(second, store=False).video - ref_video).max()) <= 1e-6

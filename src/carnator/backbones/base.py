@@ -91,11 +91,17 @@ class BackboneAdapter(ABC):
 
     def __init__(self, pipe):
         self.pipe = pipe
-        self._controller = None
         self._intra = None
 
     # ---- attention (probe evidence, sparse connectivity, active-token window) ------------------
     supports_attention: ClassVar[bool] = False
+
+    @property
+    def _controller(self):
+        """The controller whose processors are on this transformer, if any. It belongs to the transformer, not to
+        an adapter: every adapter (and engine) over one pipeline sees, resets and drives the same one, so one
+        engine's attention plan (masks, window) never leaks into another engine's request."""
+        return getattr(self.transformer, "_carnator_controller", None)
 
     def attention(self):
         """The request-scoped :class:`~carnator.attention.controller.AttentionController`, installing
@@ -109,8 +115,7 @@ class BackboneAdapter(ABC):
                 # carnator's block forwards go *under* diffusers' cache hooks (a skipped block must skip them too);
                 # the hooks are put back on the next forward.
                 self._intra.remove()
-            self._controller = AttentionController()
-            self.install_attention(self._controller)
+            self.install_attention(AttentionController())
         return self._controller
 
     def install_attention(self, controller) -> None:
