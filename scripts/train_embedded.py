@@ -2,14 +2,17 @@
 """Train the embedded shapes-world model (flow matching, as Wan) in one device call.
 
     python scripts/train_embedded.py --minutes 7 --out $OUT            # on the lent H200
-    python scripts/train_embedded.py --minutes 7 --resume $PREV/resume.safetensors --out $OUT
+    python scripts/train_embedded.py --minutes 7 --resume $PREV --out $OUT       # $PREV: an earlier --out
+
+Resuming from an earlier --out directory continues its raw weights, EMA weights, AdamW moments
+(opt.safetensors, bf16) and architecture; resuming from a weights file keeps only the weights.
 
 Data are rendered on the GPU on the fly from the world's *train* split (held-out attribute
 combinations and caption templates are never seen). Writes to --out: weights.safetensors (EMA,
 fp16) + weights.json (config, checksum, training info), resume.safetensors (raw weights, fp16),
-loss.csv, and with --eval-n > 0 eval.json (held-out judge fidelity per sampling shift),
-eval_frames.npy and eval_captions.json (first 24 clips of the best shift): 7 files, under the
-device tool's 8-file return limit.
+opt.safetensors (AdamW moments, bf16), loss.csv, and with --eval-n > 0 eval.json (held-out judge fidelity per sampling shift),
+eval_frames.npy and eval_captions.json (first 24 clips of the best shift): 8 files, the
+device tool's return limit.
 """
 
 from __future__ import annotations
@@ -89,7 +92,18 @@ def main() -> int:
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--drop", type=float, default=0.1, help="caption dropout (for CFG)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--resume", default=None)
+    ap.add_argument("--resume", default=None, help="an earlier --out directory (weights, EMA, optimizer, architecture) or a weights file")
+    ap.add_argument("--loss", choices=["velocity", "x0"], default="velocity",
+                    help="x0-prediction's loss weighting: 'velocity' = ||x0_hat - x0||^2 / max(sigma, floor)^2 (the flow-velocity loss), "
+                         "'x0' = ||x0_hat - x0||^2 (relatively more weight on high noise, where shape and motion are decided)")
+    ap.add_argument("--sigma-floor", type=float, default=0.05, help="floor of sigma in the velocity weighting")
+    ap.add_argument("--decay", type=float, default=0.0, help="fraction of --minutes at the end over which lr decays linearly to 5 %%")
+    ap.add_argument("--codec-factor", type=int, default=None, help="architecture (new runs; default: EmbeddedConfig's)")
+    ap.add_argument("--patch", default=None, help="patch size t,h,w")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--ffn", type=int, default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--eval-n", type=int, default=320)
     ap.add_argument("--no-compile", action="store_true")
@@ -100,19 +114,39 @@ def main() -> int:
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
 
-    cfg = EmbeddedConfig(vocab=vocabulary())
-    pipe = EmbeddedPipeline(cfg).to(dev)
-    if args.resume:
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
-        st = load_file(args.resume)
+    resume_dir = Path(args.resume) if args.resume and Path(args.resume).is_dir() else None
+    if resume_dir is not None:
+        cfg = EmbeddedConfig.from_dict(json.loads((resume_dir / "weights.json").read_text())["config"])
+    else:
+        arch = {"codec_factor": args.codec_factor, "num_layers": args.layers, "num_heads": args.heads, "head_dim": args.head_dim, "ffn_dim": args.ffn,
+                "patch_size": tuple(int(x) for x in args.patch.split(",")) if args.patch else None}
+        cfg = EmbeddedConfig(vocab=vocabulary(), **{k: v for k, v in arch.items() if v is not None})
+    pipe = EmbeddedPipeline(cfg).to(dev)
+    params = list(pipe.transformer.parameters()) + list(pipe.text_encoder.parameters())
+
+    def load_weights(path: Path) -> None:
+        st = load_file(str(path))
         pipe.transformer.load_state_dict({k[12:]: v.float() for k, v in st.items() if k.startswith("transformer.")})
         pipe.text_encoder.load_state_dict({k[13:]: v.float() for k, v in st.items() if k.startswith("text_encoder.")})
-    params = list(pipe.transformer.parameters()) + list(pipe.text_encoder.parameters())
-    n_params = sum(p.numel() for p in params)
-    print(f"params {n_params / 1e6:.2f}M device {dev}", flush=True)
-    ema = [p.detach().clone() for p in params]
+
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    if resume_dir is not None:
+        load_weights(resume_dir / "weights.safetensors")          # the EMA weights first ...
+        ema = [p.detach().clone() for p in params]
+        load_weights(resume_dir / "resume.safetensors")           # ... then the raw ones
+        if (resume_dir / "opt.safetensors").exists():
+            mom = load_file(str(resume_dir / "opt.safetensors"))
+            for i, p in enumerate(params):
+                opt.state[p] = {"step": mom["step"].float().clone(), "exp_avg": mom[f"m.{i}"].float().to(dev), "exp_avg_sq": mom[f"v.{i}"].float().to(dev)}
+            print(f"resumed AdamW at step {int(mom['step'])}", flush=True)
+    else:
+        if args.resume:
+            load_weights(Path(args.resume))
+        ema = [p.detach().clone() for p in params]
+    n_params = sum(p.numel() for p in params)
+    print(f"params {n_params / 1e6:.2f}M device {dev} patch {cfg.patch_size} codec {cfg.codec_factor} layers {cfg.num_layers} dim {cfg.num_heads}x{cfg.head_dim}", flush=True)
     fwd = pipe.transformer if args.no_compile or dev.type != "cuda" else torch.compile(pipe.transformer)
 
     gen = torch.Generator(device=dev).manual_seed(args.seed)
@@ -139,15 +173,20 @@ def main() -> int:
             xt = (1 - s) * x0 + s * noise
             target = noise - x0
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
+        if args.decay > 0:
+            left = 1 - (time.time() - t_start) / (args.minutes * 60)
+            lr *= max(0.05, min(1.0, left / args.decay))
         for gparam in opt.param_groups:
             gparam["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             emb = pipe.text_encoder(ids, mask)
             pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=emb, return_dict=False)[0]
         if cfg.prediction == "x0":
-            # x0-prediction with the velocity loss: ||(x0_hat - x0) / sigma||^2, sigma floored at 0.05.
-            w = 1.0 / sigma.clamp_min(0.05).view(-1, 1, 1, 1, 1)
-            loss = torch.nn.functional.mse_loss(pred.float() * w, x0 * w)
+            if args.loss == "velocity":  # ||(x0_hat - x0) / sigma||^2, sigma floored
+                w = 1.0 / sigma.clamp_min(args.sigma_floor).view(-1, 1, 1, 1, 1)
+                loss = torch.nn.functional.mse_loss(pred.float() * w, x0 * w)
+            else:
+                loss = torch.nn.functional.mse_loss(pred.float(), x0)
         else:
             loss = torch.nn.functional.mse_loss(pred.float(), target)
         opt.zero_grad(set_to_none=True)
@@ -169,11 +208,17 @@ def main() -> int:
     train_s = time.time() - t_start
     print(f"trained {step} steps in {train_s:.0f}s", flush=True)
 
-    info = {"steps": step, "batch": args.batch, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
-            "resumed_from": args.resume, "params": n_params, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    info = {"steps": step, "batch": args.batch, "loss": args.loss, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
+            "resumed_from": args.resume,
+            "total_steps": step + (json.loads((resume_dir / "weights.json").read_text())["info"].get("total_steps", 0) if resume_dir else 0), "params": n_params, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     # (the device tool returns at most 8 files: resume.json is not kept, weights.json has the same info)
     save_pipeline(pipe, out / "resume.safetensors", out / "resume.json", info=info)
     (out / "resume.json").unlink()
+    mom = {"step": torch.tensor(float(opt.state[params[0]]["step"]))}
+    for i, p in enumerate(params):
+        mom[f"m.{i}"] = opt.state[p]["exp_avg"].detach().to("cpu", torch.bfloat16).contiguous()
+        mom[f"v.{i}"] = opt.state[p]["exp_avg_sq"].detach().to("cpu", torch.bfloat16).contiguous()
+    save_file(mom, str(out / "opt.safetensors"))
     with torch.no_grad():
         for p, e in zip(params, ema):
             p.copy_(e)
