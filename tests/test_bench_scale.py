@@ -60,3 +60,68 @@ def test_cli_bench_scale_needs_cuda_or_a_known_size(capsys):
         assert main(["bench-scale", "tiny-wan"]) == 2
         assert "CUDA" in capsys.readouterr().err
     assert main(["bench-scale", "tiny-wan", "--device", "cpu", "--densities", "0.5,x"]) == 2
+
+
+@pytest.mark.slow
+def test_replayed_hit_on_tiny_ltx(tmp_path):
+    """The LTX path (packed tokens, 0.9.7 VAE layout with 32x/8x compression, CFG batched in one forward) replays a hit."""
+    from carnator.bench.scale import SPECS
+
+    spec = SPECS["tiny-ltx"]
+    cfg = ScaleConfig(model="tiny-ltx", steps=8, densities=(0.3,), active_fraction=0.4, resume_step=5, mask_stride=2, block=32,
+                      kernels=False, device="cpu", intra_cache="taylorseer")
+    rep = run_scale(cfg, tmp_path, progress=lambda s: None)
+    d, (h,) = rep["dense"], rep["hits"]
+    # 17 frames at 256x256 through 8x temporal / 32x spatial compression and patch 1: a 3 x 8 x 8 token grid
+    assert rep["token_grid"] == [3, 8, 8] and rep["tokens"] == 192
+    assert d["hit"] is False and d["dit_forwards"] == 2 * 8
+    assert h["hit"] is True and h["resume_step"] == 5
+    assert h["dit_forwards"] == 2 * (4 + 8 - 5)  # probe (4 steps) + the steps from the resume step on, both CFG branches
+    assert abs(h["active_fraction"] - 0.4) < 0.1
+    assert abs(h["mask_density"] - 0.3) < 0.1
+    for k in ("recall", "probe", "signature", "decision", "plan", "dit", "decode", "total"):
+        assert k in h["timings"]
+    # dense and the hit both decode the whole clip at the requested size
+    for row in (d, h):
+        assert row["video_shape"] == [spec.frames, spec.height, spec.width, 3] and row["video_finite"] is True
+    comp = rep["composed"]
+    assert comp["hit"]["hit"] is True and comp["hit"]["resume_step"] == 5
+    assert comp["hit"]["intra_cache"]["kind"] == "taylorseer"
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("## tiny-ltx: 256x256, 17 frames, 8 steps") and "tiny test configuration (LTX path)" in md
+
+
+def test_ltx_13b_spec_is_the_0_9_7_dev_model():
+    """The real-size LTX spec builds LTX-Video-13B's transformer and a VAE of its compression (checked on the meta device)."""
+    from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+
+    from carnator.bench.scale import SPECS
+
+    spec = SPECS["ltx-video-13b"]
+    with torch.device("meta"):
+        tr = LTXVideoTransformer3DModel(**spec.transformer)
+        vae = AutoencoderKLLTXVideo(**spec.vae)
+    assert 12.9e9 < sum(p.numel() for p in tr.parameters()) < 13.2e9 and len(tr.transformer_blocks) == 48
+    assert (vae.spatial_compression_ratio, vae.temporal_compression_ratio, vae.config.latent_channels) == (32, 8, 128)
+    assert spec.text["d_model"] == spec.transformer["caption_channels"] == 4096
+    spec.check_frames(spec.frames)
+    assert spec.height % 32 == 0 and spec.width % 32 == 0
+    with pytest.raises(ValueError, match="8\\*k\\+1"):
+        spec.check_frames(120)
+
+
+def test_cli_bench_scale_lists_and_checks_ltx(capsys):
+    assert main(["bench-scale", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "ltx-video-13b" in err and "tiny-ltx" in err
+    assert main(["bench-scale", "ltx-video-13b", "--frames", "85"]) == 2  # 85 = 4*21+1 is a Wan length, not an LTX one (8*k+1)
+    assert "8*k+1" in capsys.readouterr().err
+    assert main(["bench-scale", "ltx-video-13b", "--resume-step", "50"]) == 2
+    assert "--resume-step" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench-scale", "ltx-video-13b", "--frames", "97"]) == 2
+        assert "CUDA" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench-scale", "--help"])
+    assert e.value.code == 0
+    assert "ltx-video-13b" in capsys.readouterr().out

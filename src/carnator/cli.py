@@ -168,8 +168,16 @@ def cmd_bench_scale(args) -> int:
 
     if args.model not in SPECS:
         raise CarnatorError(f"unknown size {args.model!r}; available: {', '.join(SPECS)}")
+    if args.frames is not None:  # checked before a GPU is touched: a real size takes minutes to build
+        try:
+            SPECS[args.model].check_frames(args.frames)
+        except ValueError as e:
+            raise CarnatorError(f"--frames: {e}") from None
+    if args.steps < 1 or not 0 < args.resume_step < args.steps:
+        raise CarnatorError(f"--resume-step must lie in [1, --steps) for a hit to resume, got {args.resume_step} of {args.steps} steps")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise CarnatorError("bench-scale measures speed on a CUDA GPU and none is available here (--device cpu runs the tiny-wan smoke test)")
+        raise CarnatorError("bench-scale measures speed on a CUDA GPU and none is available here "
+                            "(--device cpu runs the tiny-wan and tiny-ltx smoke tests)")
     try:
         dens = tuple(float(x) for x in args.densities.split(","))
     except ValueError:
@@ -281,7 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     z = sub.add_parser("bench-scale", help="real-size speed on a CUDA GPU: dense vs replayed carnator hits, and kernels")
-    z.add_argument("model", nargs="?", default="wan2.1-1.3b", help="wan2.1-1.3b, wan2.1-1.3b-720p, wan2.2-ti2v-5b, or tiny-wan (smoke)")
+    from .bench.scale import SPECS
+
+    z.add_argument("model", nargs="?", default="wan2.1-1.3b",
+                   help="one of: " + ", ".join(SPECS) + " (tiny-*: CPU-sized smoke tests of the same path)")
     z.add_argument("--frames", type=int, default=None, help="fewer frames than the model's default (state it when reporting)")
     z.add_argument("--steps", type=int, default=50)
     z.add_argument("--densities", default="0.1,0.2,0.3,0.5", help="block-mask densities of the replayed hits")

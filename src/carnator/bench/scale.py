@@ -3,7 +3,8 @@
 One call measures one backbone through the real engine, on a CUDA GPU:
 
 1. **Dense**: the request through ``policy="dense"`` (the unmodified transformer, CFG, 50 steps,
-   VAE decode). Its post-scheduler latents from the resume step on are stored as a cache entry.
+   VAE decode; the spec's family's pipeline: Wan or LTX-Video). Its post-scheduler latents from
+   the resume step on are stored as a cache entry.
 2. **Hits** (one per mask density): random weights cannot produce real plans, so a hit *replays*
    a plan. The target request (one noun substituted) goes through the whole carnator path for
    real: recall (text index + noun filter), the 4-step dense probe with evidence recording at the
@@ -50,7 +51,13 @@ PROMPT_TARGET = "a red wolf running through a snowy forest at dawn, cinematic"
 
 @dataclass(frozen=True)
 class ScaleSpec:
-    """A backbone size: diffusers configs of its parts and the generation settings of the paper."""
+    """A backbone size: diffusers configs of its parts and the generation settings of the paper.
+
+    ``family`` picks the pipeline :func:`build_pipeline` builds ("wan": WanPipeline with a UMT5
+    encoder and UniPC; "ltx": LTXPipeline with a T5 encoder and flow-matching Euler). ``flow_shift``
+    is the scheduler's (static) flow shift. ``frame_step``: the VAE's temporal compression; a
+    request's frame count must be ``frame_step * k + 1``. ``note`` is printed in the report.
+    """
 
     name: str
     transformer: dict[str, Any]
@@ -63,6 +70,13 @@ class ScaleSpec:
     guidance_scale: float = 5.0
     expand_timesteps: bool = False
     note: str = ""
+    family: str = "wan"
+    frame_step: int = 4
+
+    def check_frames(self, frames: int) -> None:
+        """Raise ValueError unless ``frames`` is a frame count this backbone's VAE accepts."""
+        if frames < 1 or (frames - 1) % self.frame_step:
+            raise ValueError(f"{self.name} needs {self.frame_step}*k+1 frames (e.g. {self.frames}), got {frames}")
 
 
 _UMT5_XXL = {"vocab_size": 256384, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
@@ -72,6 +86,34 @@ _WAN_ATTN = {"cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps":
 _WAN21_13B = {"patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
               "text_dim": 4096, "ffn_dim": 8960, "num_layers": 30, **_WAN_ATTN}
 _WAN21_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "temperal_downsample": [False, True, True]}
+
+# LTX-Video 13B 0.9.7/0.9.8 "dev" (diffusers' scripts/convert_ltx_to_diffusers.py, version 0.9.7).
+_LTX097_13B = {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1, "num_attention_heads": 32,
+               "attention_head_dim": 128, "cross_attention_dim": 4096, "num_layers": 48, "activation_fn": "gelu-approximate",
+               "qk_norm": "rms_norm_across_heads", "norm_elementwise_affine": False, "norm_eps": 1e-6, "caption_channels": 4096,
+               "attention_bias": True, "attention_out_bias": True}
+_LTX097_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 128, "block_out_channels": (128, 256, 512, 1024, 2048),
+               "down_block_types": ("LTXVideo095DownBlock3D",) * 4, "decoder_block_out_channels": (256, 512, 1024),
+               "layers_per_block": (4, 6, 6, 2, 2), "decoder_layers_per_block": (5, 5, 5, 5),
+               "spatio_temporal_scaling": (True, True, True, True), "decoder_spatio_temporal_scaling": (True, True, True),
+               "decoder_inject_noise": (False, False, False, False), "downsample_type": ("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+               "upsample_residual": (True, True, True), "upsample_factor": (2, 2, 2), "timestep_conditioning": True, "patch_size": 4,
+               "patch_size_t": 1, "resnet_norm_eps": 1e-6, "scaling_factor": 1.0, "encoder_causal": True, "decoder_causal": False,
+               "spatial_compression_ratio": 32, "temporal_compression_ratio": 8}
+# T5 v1.1 XXL encoder (LTX-Video's text encoder), as the Wan specs build UMT5-XXL: full size, random weights.
+_T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+           "relative_attention_num_buckets": 32, "feed_forward_proj": "gated-gelu"}
+_LTX_13B_NOTE = (
+    "LTX-Video-13B 0.9.7-dev configs (13.0B transformer: 48 layers, 32 heads x 128; 0.9.7 VAE, 32x spatial / 8x temporal, "
+    "128 latent channels; T5-v1.1-XXL encoder; all bf16 as diffusers' LTX examples load them), LTXPipeline text-to-video. "
+    "Paper-like full size, not reduced: 1216x704 (LTX-13B's native resolution), 121 frames (the paper's 5 s clip, as for "
+    "Wan2.2), 50 steps, CFG on (3.0, LTXPipeline's default; the paper gives none): 16 x 22 x 38 = 13,376 tokens. Estimate: "
+    "444 TFLOP per transformer row-forward (counted; Wan2.1-1.3B at 32,760 tokens: 283), 100 row-forwards = 44 PFLOP = ~94 s "
+    "at the 472 TFLOP/s the Wan2.1-1.3B dense run sustained on the H200 (28.3 PFLOP in 59.9 s DiT), plus a 131 TFLOP VAE "
+    "decode: ~100 s per dense run, under the 4-minute budget. Scheduler: LTX's flow-matching Euler (0.9.7: static shift 1.0) "
+    "instead of the paper's UniPC (same per-step cost). The LTX adapter has no tail-only decode: a hit's signature decodes the "
+    "whole probe-step clip (Wan's decodes one latent frame)"
+)
 
 SPECS: dict[str, ScaleSpec] = {
     "wan2.1-1.3b": ScaleSpec(
@@ -97,6 +139,14 @@ SPECS: dict[str, ScaleSpec] = {
         text=_UMT5_XXL, height=704, width=1280, frames=121, flow_shift=5.0, expand_timesteps=True,
         note="Wan2.2-TI2V-5B-Diffusers configs (text-to-video path); UMT5-XXL text encoder",
     ),
+    # LTX-Video 13B (0.9.7/0.9.8 "dev"), see _LTX_13B_NOTE. CFG 3.0 is LTXPipeline's default (the
+    # paper gives no LTX guidance; the scale does not change the cost: CFG is on either way).
+    "ltx-video-13b": ScaleSpec(
+        name="ltx-video-13b", family="ltx", frame_step=8,
+        transformer=_LTX097_13B, vae=_LTX097_VAE, text=_T5_XXL,
+        height=704, width=1216, frames=121, flow_shift=1.0, guidance_scale=3.0,
+        note=_LTX_13B_NOTE,
+    ),
     # A CPU-sized stand-in with the same code path, for tests and smoke runs.
     "tiny-wan": ScaleSpec(
         name="tiny-wan",
@@ -107,10 +157,30 @@ SPECS: dict[str, ScaleSpec] = {
               "relative_attention_num_buckets": 8},
         height=128, width=128, frames=9, flow_shift=3.0, note="tiny test configuration",
     ),
+    # The LTX path at CPU size: the 0.9.7 VAE block layout (32x spatial, 8x temporal, 128 latent
+    # channels) with tiny widths; 256x256, 17 frames -> a 3 x 8 x 8 token grid like tiny-wan's.
+    "tiny-ltx": ScaleSpec(
+        name="tiny-ltx", family="ltx", frame_step=8,
+        transformer={**_LTX097_13B, "num_attention_heads": 2, "attention_head_dim": 16, "cross_attention_dim": 32,
+                     "num_layers": 5, "caption_channels": 32},
+        vae={**_LTX097_VAE, "block_out_channels": (4, 8, 16, 32, 64), "decoder_block_out_channels": (8, 16, 32),
+             "layers_per_block": (1, 1, 1, 1, 1), "decoder_layers_per_block": (1, 1, 1, 1)},
+        text={"vocab_size": 259, "d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4,
+              "relative_attention_num_buckets": 8},
+        height=256, width=256, frames=17, flow_shift=1.0, guidance_scale=3.0, note="tiny test configuration (LTX path)",
+    ),
 }
 
 
 def build_pipeline(spec: ScaleSpec, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """The diffusers pipeline of ``spec.family`` with random weights, built directly on ``device``."""
+    builders = {"wan": _build_wan, "ltx": _build_ltx}
+    if spec.family not in builders:
+        raise ValueError(f"no bench-scale builder for family {spec.family!r}; have {', '.join(builders)}")
+    return builders[spec.family](spec, device, dtype, seed)
+
+
+def _build_wan(spec: ScaleSpec, device: str | torch.device, dtype: torch.dtype, seed: int):
     """A WanPipeline of ``spec`` with random weights, built directly on ``device``.
 
     Transformer and text encoder in ``dtype``; the VAE in float32 (as diffusers' Wan examples load
@@ -134,6 +204,29 @@ def build_pipeline(spec: ScaleSpec, device: str | torch.device, dtype: torch.dty
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=spec.flow_shift, num_train_timesteps=1000)
     pipe = WanPipeline(tokenizer=byte_tokenizer(512), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                        transformer=transformer, expand_timesteps=spec.expand_timesteps)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _build_ltx(spec: ScaleSpec, device: str | torch.device, dtype: torch.dtype, seed: int):
+    """An LTXPipeline of ``spec`` with random weights, built directly on ``device``.
+
+    Transformer, text encoder (T5) and VAE in ``dtype`` (diffusers' LTX examples load the whole
+    pipeline in bf16); flow-matching Euler with a static shift (LTX-Video 0.9.7's scheduler); a
+    byte-level tokenizer of LTX's 128-token prompt length (no hub).
+    """
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    from ..testing import byte_tokenizer
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        transformer = LTXVideoTransformer3DModel(**spec.transformer).to(dtype).eval()
+        vae = AutoencoderKLLTXVideo(**spec.vae).to(dtype).eval()
+        text_encoder = T5EncoderModel(T5Config(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **spec.text)).to(dtype).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=False, shift=spec.flow_shift)
+    pipe = LTXPipeline(tokenizer=byte_tokenizer(128), text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -295,9 +388,10 @@ class ScaleConfig:
 
 
 def _stage_row(res, peak: int | None) -> dict[str, Any]:
-    s = res.stats
+    s, vid = res.stats, res.video
     return {"hit": bool(s.hit), "resume_step": s.resume_step, "active_fraction": s.active_fraction,
             "mask_density": s.mask_density, "dit_forwards": s.dit_forwards, "peak_gpu_bytes": peak,
+            "video_shape": None if vid is None else list(vid.shape), "video_finite": None if vid is None else bool(np.isfinite(vid).all()),
             "timings": {k: round(float(v), 4) for k, v in s.timings.items()}}
 
 
@@ -321,10 +415,11 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
     from ..testing import hashed_embedder
 
     spec = SPECS[cfg.model]
+    frames = cfg.frames or spec.frames
+    spec.check_frames(frames)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(cfg.device)
     cuda = dev.type == "cuda"
-    frames = cfg.frames or spec.frames
     rep: dict[str, Any] = {"config": {**asdict(cfg), "frames": frames}, "spec": asdict(spec),
                            "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__,
                            "date": time.strftime("%Y-%m-%d"), "prompts": [PROMPT_SOURCE, PROMPT_TARGET]}
@@ -373,8 +468,8 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
     base = eng.bank.load(dense.stats.entry_id)
     traj = {k: v for k, v in base.items() if k.startswith("traj.") or k == "final"}
     tail_rgb = np.zeros((max(8, spec.height // 8), max(8, spec.width // 8), 3), dtype=np.float32)
-    L = len(pipe.transformer.blocks)
-    heads = pipe.transformer.config.num_attention_heads
+    L = eng.adapter.num_layers()
+    heads, head_dim = _self_attention_shape(pipe)
     nouns_src = extract_nouns(PROMPT_SOURCE)
     box = box_for_active_fraction(grid, cfg.active_fraction, ccfg.scope)
     sig = early_signature({n: box for n in nouns_src}, tail_rgb)
@@ -383,9 +478,8 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
     if cuda:  # compile flex for this shape once, outside every measured request
         from ..attention.kernels import masked_attention
 
-        hd = spec.transformer["attention_head_dim"]
         t1 = time.perf_counter()
-        qkv = torch.randn(3, 1, heads, n_tok, hd, device=dev, dtype=dtype)
+        qkv = torch.randn(3, 1, heads, n_tok, head_dim, device=dev, dtype=dtype)
         wm = synthetic_masks(heads, n_tok, cfg.block, 0.3, steps=[0], branches=[0], layers=[0], device=dev).get(0, 0, 0, device=dev)
         masked_attention(qkv[0], qkv[1], qkv[2], wm[None], block=cfg.block)
         torch.cuda.synchronize()
@@ -424,13 +518,18 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
                                     peak_reset=peak_reset, peak=peak, progress=progress)
 
     if cfg.kernels and cuda:
-        tr = spec.transformer
-        rep["kernels"] = kernel_bench(tr["num_attention_heads"], n_tok, tr["attention_head_dim"], cfg.densities, block=cfg.block)
+        rep["kernels"] = kernel_bench(heads, n_tok, head_dim, cfg.densities, block=cfg.block)
         progress("kernels: " + ", ".join(f"d={k['density']:.2f} {k['ratio_to_limit']:.2f}x limit" for k in rep["kernels"]["rows"]))
 
     (out / "report.json").write_text(json.dumps(rep, indent=1, default=str))
     (out / "report.md").write_text(to_markdown(rep))
     return rep
+
+
+def _self_attention_shape(pipe) -> tuple[int, int]:
+    """(heads, head dim) of the transformer's self-attention (Wan's and LTX's configs both name them so)."""
+    c = pipe.transformer.config
+    return int(c.num_attention_heads), int(c.attention_head_dim)
 
 
 def _composed(cfg, pipe, req, kw, *, traj_keys, ev, sig, nouns, dense_e2e, dense_dit, heads, n_tok, layers, cache_root,
@@ -477,6 +576,7 @@ def to_markdown(rep: dict) -> str:
     lines = [f"## {rep['spec']['name']}: {rep['spec']['height']}x{rep['spec']['width']}, {c['frames']} frames, {c['steps']} steps, "
              f"CFG {rep['spec']['guidance_scale']} ({rep['tokens']} tokens)",
              "",
+             *([rep["spec"]["note"] + ".", ""] if rep["spec"].get("note") else []),
              f"Device {rep['device']}, torch {rep['torch']}, {rep['date']}. Replayed plan: resume step {c['resume_step']}, "
              f"Active fraction {c['active_fraction']}, layer window {c['window']}, masks every {c['mask_stride']} steps, block {c['block']}.",
              "",
@@ -487,7 +587,9 @@ def to_markdown(rep: dict) -> str:
         v = row["timings"].get(k)
         return "-" if v is None else f"{v:.3f}"
 
-    gib = lambda b: "-" if b is None else f"{b / 2**30:.1f}"
+    def gib(b):
+        return "-" if b is None else f"{b / 2**30:.1f}"
+
     lines.append(f"| dense | {d['e2e_seconds']:.2f} | 1.00x | {d['timings']['dit']:.2f} | 1.00x | - | - | - | - | - | {t(d, 'decode')} | {gib(d['peak_gpu_bytes'])} | - | - |")
     for h in rep["hits"]:
         lines.append(f"| hit, mask density {h['mask_density']:.2f}, active {h['active_fraction']:.2f} | {h['e2e_seconds']:.2f} | {h['speedup_e2e']:.2f}x | "
