@@ -46,12 +46,13 @@ def main() -> int:
     ap.add_argument("--weights", default=None, help="a training --out directory (weights.safetensors + weights.json); default: the shipped model")
     ap.add_argument("--sigmas", default="0.3,0.5,0.7,0.85,0.95")
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--split", default="heldout", choices=["heldout", "train"], help="scenes and wordings from this split")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     pipe = load_pipeline("cpu") if args.weights is None else load_pipeline("cpu", Path(args.weights) / WEIGHTS.name, Path(args.weights) / MANIFEST.name)
     rng = np.random.default_rng(args.seed)
-    scenes = [s for s in sample_scenes(4 * args.n, rng, split="heldout") if len(s.objects) == 1][: args.n]
-    styles = [random_style(rng, "heldout") for _ in scenes]
+    scenes = [s for s in sample_scenes(4 * args.n, rng, split=args.split) if len(s.objects) == 1][: args.n]
+    styles = [random_style(rng, args.split) for _ in scenes]
     caps = {"true": [caption(s, style=st) for s, st in zip(scenes, styles)]}
     for a in ATTRS:
         caps[a] = [caption(wrong(s, a, rng), style=st) for s, st in zip(scenes, styles)]
@@ -63,7 +64,7 @@ def main() -> int:
     emb = {k: pipe.encode_text(v) for k, v in caps.items()}
     sigmas = [float(s) for s in args.sigmas.split(",")]
     noise = torch.randn(x0.shape)
-    print(f"{len(scenes)} one-object held-out scenes; relative increase of the x0 error with the wrong word")
+    print(f"{len(scenes)} one-object {args.split} scenes; relative increase of the x0 error with the wrong word")
     print("sigma  " + "  ".join(f"{a:>10}" for a in ATTRS))
     rows = []
     with torch.no_grad():

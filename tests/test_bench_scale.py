@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from carnator.attention.kernels import _flex_kwargs, set_flex_kernel_options
 from carnator.bench.scale import ScaleConfig, box_for_active_fraction, run_scale, synthetic_masks
 from carnator.cli import main
 from carnator.reuse import ScopeConfig, reuse_scope
@@ -33,8 +34,9 @@ def test_synthetic_masks_density_and_diagonal():
 @pytest.mark.slow
 def test_replayed_hit_on_tiny_wan(tmp_path):
     cfg = ScaleConfig(model="tiny-wan", steps=8, densities=(0.5,), active_fraction=0.4, resume_step=4, mask_stride=2, block=32,
-                      kernels=False, device="cpu", intra_cache="taylorseer")
+                      kernels=False, device="cpu", intra_cache="taylorseer", flex_options={"num_warps": 4})
     rep = run_scale(cfg, tmp_path, progress=lambda s: None)
+    assert set_flex_kernel_options(None) is None  # the run's kernel options do not outlive it
     d, (h,) = rep["dense"], rep["hits"]
     assert d["hit"] is False and d["dit_forwards"] == 2 * 8
     assert h["hit"] is True and h["resume_step"] == 4
@@ -125,3 +127,50 @@ def test_cli_bench_scale_lists_and_checks_ltx(capsys):
         main(["bench-scale", "--help"])
     assert e.value.code == 0
     assert "ltx-video-13b" in capsys.readouterr().out
+
+
+def test_flex_kernel_options_are_checked_and_explicit_ones_win():
+    with pytest.raises(ValueError, match="BLOK_M"):
+        set_flex_kernel_options({"BLOK_M": 64})
+    assert _flex_kwargs(None) == {}  # nothing set: flex's own heuristics, no kernel_options argument
+    assert set_flex_kernel_options({"BLOCK_M": 64, "USE_TMA": True}) is None
+    try:
+        assert _flex_kwargs(None) == {"kernel_options": {"BLOCK_M": 64, "USE_TMA": True}}
+        assert _flex_kwargs({"num_warps": 4}) == {"kernel_options": {"num_warps": 4}}
+        assert _flex_kwargs({}) == {}  # an explicit empty set means flex's heuristics
+    finally:
+        assert set_flex_kernel_options(None) == {"BLOCK_M": 64, "USE_TMA": True}
+
+
+def test_cli_bench_scale_checks_kernel_options(capsys):
+    assert main(["bench-scale", "tiny-wan", "--device", "cpu", "--flex-options", "{bad"]) == 2
+    assert "--flex-options must be JSON" in capsys.readouterr().err
+    assert main(["bench-scale", "tiny-wan", "--device", "cpu", "--kernel-sweep", '{"USE_TMA": true}']) == 2
+    assert "JSON list" in capsys.readouterr().err
+    assert main(["bench-scale", "tiny-wan", "--device", "cpu", "--kernel-sweep", '[{"BLOK_N": 64}]']) == 2
+    assert "unknown FlexAttention kernel option(s) BLOK_N" in capsys.readouterr().err
+
+
+def test_kernel_bench_times_every_kernel_option_set(monkeypatch):
+    """The sweep's bookkeeping on the CPU (eager flex, unit timings): one variant per option set, the first on top."""
+    import contextlib
+
+    import torch._dynamo  # noqa: F401 - imported before sdpa_kernel is replaced below (dynamo reads its __wrapped__)
+    import torch.nn.attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import carnator.attention.kernels as kernels
+    import carnator.bench.scale as scale
+
+    monkeypatch.setattr(scale, "_time_cuda", lambda fn, reps: (fn(), 2.0)[1])
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", lambda *a, **k: contextlib.nullcontext())  # cuDNN is CUDA-only
+    monkeypatch.setattr(kernels, "compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(kernels, "check_flex_against_sdpa", lambda device: [{"err_full": 0.0}])
+    out = scale.kernel_bench(2, 300, 32, (0.3, 0.6), block=128, reps=1, device="cpu", option_sets=[None, {"num_warps": 4}])
+    assert [v["options"] for v in out["variants"]] == [None, {"num_warps": 4}]
+    assert out["rows"] == out["variants"][0]["rows"] and out["flex_dense_ms"] == 2.0
+    for var in out["variants"]:
+        assert [r["blocks"] for r in var["rows"]] == [3, 3]  # ceil(300 / 128)
+        assert var["max_err_vs_default_options"] == 0.0     # eager flex ignores kernel options
+        for r in var["rows"]:
+            assert r["ratio_to_limit"] == pytest.approx(2.0 / (r["density"] * 2.0), rel=1e-3)

@@ -186,12 +186,38 @@ def cmd_bench_scale(args) -> int:
         raise CarnatorError("--densities must lie in (0, 1]")
     if not 0 < args.active_fraction <= 1:
         raise CarnatorError("--active-fraction must lie in (0, 1]")
+    flex_options = _flex_options_arg("--flex-options", args.flex_options, many=False)
+    kernel_sweep = _flex_options_arg("--kernel-sweep", args.kernel_sweep, many=True) or []
     cfg = ScaleConfig(model=args.model, frames=args.frames, steps=args.steps, densities=dens, active_fraction=args.active_fraction,
                       resume_step=args.resume_step, mask_stride=args.mask_stride, kernels=not args.no_kernels, device=args.device,
-                      intra_cache=args.intra_cache)
+                      intra_cache=args.intra_cache, flex_options=flex_options, kernel_sweep=kernel_sweep)
     rep = run_scale(cfg, Path(args.out))
     print(to_markdown(rep))
     return 0
+
+
+def _flex_options_arg(flag: str, text: str | None, *, many: bool):
+    """``--flex-options`` (a JSON object) or ``--kernel-sweep`` (a JSON list of objects), checked like the kernels will."""
+    import json
+
+    from .attention.kernels import set_flex_kernel_options
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CarnatorError(f"{flag} must be JSON ({e.msg} at character {e.pos}), got {text!r}") from None
+    sets = value if many else [value]
+    if many and not isinstance(value, list):
+        raise CarnatorError(f"{flag} must be a JSON list of objects, e.g. '[{{\"USE_TMA\": true}}]'")
+    for opts in sets:
+        try:
+            previous = set_flex_kernel_options(opts)  # validates the keys
+        except ValueError as e:
+            raise CarnatorError(f"{flag}: {e}") from None
+        set_flex_kernel_options(previous)
+    return value
 
 
 def _bank(args):
@@ -303,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--intra-cache", default=None, metavar="SPEC",
                    help="also time a diffusers intra-request cache alone and composed with a hit (e.g. taylorseer; "
                         "residual-driven kinds skip arbitrarily with random weights)")
+    z.add_argument("--flex-options", default=None, metavar="JSON",
+                   help='FlexAttention kernel_options for every flex call, e.g. \'{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}\'')
+    z.add_argument("--kernel-sweep", default=None, metavar="JSON",
+                   help='more kernel_options sets timed in the kernel microbenchmark, a JSON list, e.g. \'[{"USE_TMA": true}]\'')
     z.add_argument("--device", default="cuda")
     z.add_argument("--out", default="carnator-bench-scale")
     z.set_defaults(func=cmd_bench_scale)

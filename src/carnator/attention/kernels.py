@@ -14,6 +14,10 @@ to the keys of the key blocks ``j`` with ``block_mask[..., i, j]``. Two paths, s
   *eagerly* (slow, for tests; compiled flex fails on the CPU build).
 
 Query rows with no allowed key (an all-False row of the block mask) output zeros on both paths.
+
+:func:`set_flex_kernel_options` passes FlexAttention ``kernel_options`` (tile sizes, warps,
+stages, ``USE_TMA`` on Hopper, ...) to every compiled flex call of this process; ``None`` (the
+default) leaves flex's own heuristics. ``carnator bench-scale --flex-options/--kernel-sweep`` times them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "gather_tokens",
     "masked_attention",
     "scatter_tokens",
+    "set_flex_kernel_options",
 ]
 
 FLEX_BLOCK = 128
@@ -39,6 +44,34 @@ FLEX_BLOCK = 128
 
 _ELEMENTS_PER_CHUNK = 1 << 25  # bool mask elements (and attention scores) per SDPA chunk
 _compiled_flex: Any = None
+_flex_options: dict[str, Any] | None = None
+
+
+def set_flex_kernel_options(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Use ``options`` as FlexAttention ``kernel_options`` for this process's flex calls; returns the previous ones.
+
+    Keys are those of ``torch.nn.attention.flex_attention.FlexKernelOptions`` (e.g. ``BLOCK_M``,
+    ``BLOCK_N``, ``num_warps``, ``num_stages``, ``USE_TMA``); an unknown key is a ``ValueError`` here
+    rather than a compile error later. The mask's block size must be a multiple of ``BLOCK_M`` and
+    ``BLOCK_N``. Each distinct set compiles the kernel once more.
+    """
+    global _flex_options
+    if options is not None:
+        from torch.nn.attention.flex_attention import FlexKernelOptions
+
+        if not isinstance(options, dict):
+            raise ValueError(f"flex kernel options must be a dict, got {type(options).__name__}")
+        unknown = sorted(set(options) - set(FlexKernelOptions.__annotations__))
+        if unknown:
+            raise ValueError(f"unknown FlexAttention kernel option(s) {', '.join(unknown)}; known: {', '.join(sorted(FlexKernelOptions.__annotations__))}")
+        options = dict(options) or None
+    previous, _flex_options = _flex_options, options
+    return previous
+
+
+def _flex_kwargs(kernel_options: dict[str, Any] | None) -> dict[str, Any]:
+    opts = _flex_options if kernel_options is None else kernel_options
+    return {"kernel_options": dict(opts)} if opts else {}
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor, dim: int = -2) -> torch.Tensor:
@@ -137,8 +170,9 @@ def _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v
 
     flex = compiled_flex_attention() if q.is_cuda else flex_attention
     mask = flex_block_mask(bm, block, q.shape[2], k.shape[2])
-    o_m, aux_m = flex(q, k, v, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
-    o_e, aux_e = flex(q, extra_k, extra_v, scale=scale, return_aux=AuxRequest(lse=True))
+    kw = _flex_kwargs(None) if q.is_cuda else {}
+    o_m, aux_m = flex(q, k, v, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True), **kw)
+    o_e, aux_e = flex(q, extra_k, extra_v, scale=scale, return_aux=AuxRequest(lse=True), **kw)
     lse_m, lse_e = aux_m.lse, aux_e.lse
     lse = torch.logaddexp(lse_m.float(), lse_e.float())
     w_m, w_e = torch.exp(lse_m.float() - lse)[..., None], torch.exp(lse_e.float() - lse)[..., None]
@@ -189,13 +223,14 @@ def compiled_flex_attention():
     return _compiled_flex
 
 
-def _flex_attention(q, k, v, bm, block, scale, *, full_blocks: bool = True) -> torch.Tensor:
+def _flex_attention(q, k, v, bm, block, scale, *, full_blocks: bool = True, kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
+    """Compiled flex on CUDA with ``kernel_options`` (default: :func:`set_flex_kernel_options`'s)."""
     mask = flex_block_mask(bm, block, q.shape[2], k.shape[2], full_blocks=full_blocks)
-    if not q.is_cuda:  # eager: evaluates mask_mod densely; for tests only
+    if not q.is_cuda:  # eager: evaluates mask_mod densely, ignores kernel options; for tests only
         from torch.nn.attention.flex_attention import flex_attention
 
         return flex_attention(q, k, v, block_mask=mask, scale=scale)
-    return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)
+    return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, **_flex_kwargs(kernel_options))
 
 
 def _random_block_mask(b, h, nq, nk, density, generator, device) -> torch.Tensor:

@@ -35,7 +35,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -322,14 +322,22 @@ def _time_cuda(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def kernel_bench(heads: int, n: int, head_dim: int, densities, *, block: int = 128, reps: int = 10, device="cuda") -> dict:
-    """Compiled FlexAttention at each block density vs d x cuDNN SDPA dense, at (1, heads, n, head_dim) bf16."""
+def kernel_bench(heads: int, n: int, head_dim: int, densities, *, block: int = 128, reps: int = 10, device="cuda",
+                 option_sets: Sequence[dict | None] = (None,)) -> dict:
+    """Compiled FlexAttention at each block density vs d x cuDNN SDPA dense, at (1, heads, n, head_dim) bf16.
+
+    ``option_sets``: FlexAttention ``kernel_options`` to time (``None``: the process's own, see
+    :func:`~carnator.attention.kernels.set_flex_kernel_options`). The first set's numbers are the
+    top-level ``rows`` / ``flex_dense_ms``; every set is in ``variants``. A set the kernel cannot
+    compile is recorded with its error instead of rows.
+    """
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ..attention.blockmask import num_blocks
     from ..attention.kernels import (
         _flex_attention,
+        _flex_kwargs,
         check_flex_against_sdpa,
         compiled_flex_attention,
         flex_block_mask,
@@ -344,22 +352,39 @@ def kernel_bench(heads: int, n: int, head_dim: int, densities, *, block: int = 1
     out["sdpa_default_ms"] = _time_cuda(lambda: F.scaled_dot_product_attention(q, k, v), reps)
     nb = num_blocks(n, block)
     compiled_flex_attention()
-    rows = []
+    tables = []
     for d in densities:
         ms = synthetic_masks(heads, n, block, d, steps=[0], branches=[0], layers=[0], seed=1, device=device)
-        bm = ms.get(0, 0, 0, device=device)[None]
-        dens = float(bm.float().mean())
-        build_ms = _time_cuda(lambda bm=bm: flex_block_mask(bm, block, n, n), reps)
-        mask = flex_block_mask(bm, block, n, n)
-        flex_ms = _time_cuda(lambda mask=mask: compiled_flex_attention()(q, k, v, block_mask=mask), reps)
-        total_ms = _time_cuda(lambda bm=bm: _flex_attention(q, k, v, bm, block, None), reps)
-        limit = dens * out["sdpa_cudnn_ms"]
-        rows.append({"density": round(dens, 4), "flex_ms": flex_ms, "mask_build_ms": build_ms, "flex_with_build_ms": total_ms,
-                     "limit_ms": limit, "ratio_to_limit": flex_ms / limit, "blocks": nb})
+        tables.append(ms.get(0, 0, 0, device=device)[None])
     full = torch.ones(1, heads, nb, nb, dtype=torch.bool, device=device)
     fm = flex_block_mask(full, block, n, n)
-    out["flex_dense_ms"] = _time_cuda(lambda: compiled_flex_attention()(q, k, v, block_mask=fm), reps)
-    out["rows"] = rows
+    variants = []
+    for opts in option_sets:
+        kw = _flex_kwargs(opts)
+        var: dict[str, Any] = {"options": kw.get("kernel_options")}
+        try:
+            ref = _flex_attention(q, k, v, tables[0], block, None, kernel_options=opts).float()
+            base = _flex_attention(q, k, v, tables[0], block, None, kernel_options={}).float()
+            var["max_err_vs_default_options"] = float((ref - base).abs().max())
+            rows = []
+            for bm in tables:
+                dens = float(bm.float().mean())
+                build_ms = _time_cuda(lambda bm=bm: flex_block_mask(bm, block, n, n), reps)
+                mask = flex_block_mask(bm, block, n, n)
+                flex_ms = _time_cuda(lambda mask=mask: compiled_flex_attention()(q, k, v, block_mask=mask, **kw), reps)
+                total_ms = _time_cuda(lambda bm=bm: _flex_attention(q, k, v, bm, block, None, kernel_options=opts), reps)
+                limit = dens * out["sdpa_cudnn_ms"]
+                rows.append({"density": round(dens, 4), "flex_ms": flex_ms, "mask_build_ms": build_ms, "flex_with_build_ms": total_ms,
+                             "limit_ms": limit, "ratio_to_limit": flex_ms / limit, "blocks": nb})
+            var["flex_dense_ms"] = _time_cuda(lambda: compiled_flex_attention()(q, k, v, block_mask=fm, **kw), reps)
+            var["rows"] = rows
+        except Exception as e:  # noqa: BLE001 - a tile configuration the kernel rejects is a result, not a crash
+            var["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        variants.append(var)
+    first = variants[0]
+    if "error" in first:
+        raise RuntimeError(f"flex with kernel options {first['options']} failed: {first['error']}")
+    out["flex_dense_ms"], out["rows"], out["variants"] = first["flex_dense_ms"], first["rows"], variants
     return out
 
 
@@ -384,6 +409,10 @@ class ScaleConfig:
     #: ("dense + cache", the peer) and composed with a carnator hit at the first density. Use a
     #: schedule-driven kind (taylorseer): with random weights a residual-driven one skips arbitrarily.
     intra_cache: str | None = None
+    #: FlexAttention ``kernel_options`` for every flex call of the run (``None``: flex's heuristics)
+    flex_options: dict[str, Any] | None = None
+    #: further ``kernel_options`` sets timed in the kernel microbenchmark only
+    kernel_sweep: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -406,6 +435,19 @@ def _drop_page_cache() -> bool:
 
 def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = print) -> dict:
     """Run the dense, replayed-hit and kernel measurements of ``cfg``; write ``out``/report.json and report.md."""
+    from ..attention.kernels import set_flex_kernel_options
+
+    spec = SPECS[cfg.model]
+    frames = cfg.frames or spec.frames
+    spec.check_frames(frames)
+    previous = set_flex_kernel_options(cfg.flex_options)
+    try:
+        return _run_scale(cfg, spec, frames, out, progress)
+    finally:
+        set_flex_kernel_options(previous)
+
+
+def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progress: Callable[[str], None]) -> dict:
     from .. import Carnator, EngineConfig
     from ..attention.controller import SparseConfig
     from ..cache import CacheBank
@@ -414,9 +456,6 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
     from ..signature.nouns import extract_nouns
     from ..testing import hashed_embedder
 
-    spec = SPECS[cfg.model]
-    frames = cfg.frames or spec.frames
-    spec.check_frames(frames)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(cfg.device)
     cuda = dev.type == "cuda"
@@ -518,7 +557,7 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
                                     peak_reset=peak_reset, peak=peak, progress=progress)
 
     if cfg.kernels and cuda:
-        rep["kernels"] = kernel_bench(heads, n_tok, head_dim, cfg.densities, block=cfg.block)
+        rep["kernels"] = kernel_bench(heads, n_tok, head_dim, cfg.densities, block=cfg.block, option_sets=[None, *cfg.kernel_sweep])
         progress("kernels: " + ", ".join(f"d={k['density']:.2f} {k['ratio_to_limit']:.2f}x limit" for k in rep["kernels"]["rows"]))
 
     (out / "report.json").write_text(json.dumps(rep, indent=1, default=str))
@@ -614,4 +653,15 @@ def to_markdown(rep: dict) -> str:
                   "| density | flex ms | limit = d x cuDNN ms | flex / limit | BlockMask build ms | flex incl. build ms |", "|---|---|---|---|---|---|"]
         for r in k["rows"]:
             lines.append(f"| {r['density']:.3f} | {r['flex_ms']:.2f} | {r['limit_ms']:.2f} | {r['ratio_to_limit']:.2f}x | {r['mask_build_ms']:.2f} | {r['flex_with_build_ms']:.2f} |")
+        if len(k.get("variants", [])) > 1:
+            lines += ["", "FlexAttention kernel options (the first row set is the one above):", "",
+                      "| kernel_options | flex all blocks ms | density | flex ms | flex / limit | max diff vs flex's own |", "|---|---|---|---|---|---|"]
+            for var in k["variants"]:
+                name = json.dumps(var["options"]) if var["options"] else "(flex's heuristics)"
+                if "error" in var:
+                    lines.append(f"| {name} | failed: {var['error']} | | | | |")
+                    continue
+                for i, r in enumerate(var["rows"]):
+                    head = (name, f"{var['flex_dense_ms']:.2f}") if i == 0 else ("", "")
+                    lines.append(f"| {head[0]} | {head[1]} | {r['density']:.3f} | {r['flex_ms']:.2f} | {r['ratio_to_limit']:.2f}x | {var['max_err_vs_default_options']:.1e} |")
     return "\n".join(lines) + "\n"
