@@ -10,6 +10,10 @@ background. Printed per sigma and attribute: how much worse the prediction gets 
 as the relative increase of its squared error against the true clip inside the object's box (or the
 whole frame for the background). A model that draws the named shape has a clearly positive "shape"
 column at the noise levels where the shape is not yet visible; a model that ignores the word has ~0.
+
+``--encoder`` first checks the text encoder alone: a linear probe on its pooled output (mean and max
+over the caption's words) predicts each object attribute of 1,000 held-back one-object captions,
+trained on 2,000 others; near 1.0 means the information reaches the transformer.
 """
 
 from __future__ import annotations
@@ -40,6 +44,30 @@ def wrong(scene, attr: str, rng):
     return scene.replace_object(0, **{attr: opts[rng.integers(len(opts))]})
 
 
+def encoder_probe(pipe, rng, split: str, n: int = 3000) -> None:
+    """Held-out accuracy of a linear read-out of each attribute from the pooled text-encoder output."""
+    scenes = [s for s in sample_scenes(3 * n, rng, split=split) if len(s.objects) == 1][:n]
+    caps = [caption(s, rng, split=split) for s in scenes]
+    with torch.no_grad():
+        e = pipe.encode_text(caps)
+    m = pipe.tokenizer(caps)[1][..., None].float()
+    x = torch.cat([(e * m).sum(1) / m.sum(1), e.masked_fill(m == 0, -1e4).amax(1)], 1)
+    tr, te = slice(0, 2 * n // 3), slice(2 * n // 3, n)
+    x = (x - x[tr].mean(0)) / (x[tr].std(0) + 1e-6)
+    out = []
+    for attr, values in (("shape", SHAPES), ("color", COLORS_LIST), ("size", SIZES), ("motion", MOTIONS)):
+        y = torch.tensor([values.index(getattr(s.objects[0], attr)) for s in scenes])
+        w = torch.zeros(x.shape[1], len(values), requires_grad=True)
+        b = torch.zeros(len(values), requires_grad=True)
+        opt = torch.optim.Adam([w, b], lr=0.05)
+        for _ in range(300):
+            opt.zero_grad()
+            (torch.nn.functional.cross_entropy(x[tr] @ w + b, y[tr]) + 1e-3 * (w ** 2).sum()).backward()
+            opt.step()
+        out.append(f"{attr} {float(((x[te] @ w + b).argmax(1) == y[te]).float().mean()):.3f}")
+    print(f"text encoder, linear read-out accuracy on {n - 2 * n // 3} held-back captions: " + ", ".join(out), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=48)
@@ -47,10 +75,13 @@ def main() -> int:
     ap.add_argument("--sigmas", default="0.3,0.5,0.7,0.85,0.95")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--split", default="heldout", choices=["heldout", "train"], help="scenes and wordings from this split")
+    ap.add_argument("--encoder", action="store_true", help="also probe the text encoder's output linearly")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     pipe = load_pipeline("cpu") if args.weights is None else load_pipeline("cpu", Path(args.weights) / WEIGHTS.name, Path(args.weights) / MANIFEST.name)
     rng = np.random.default_rng(args.seed)
+    if args.encoder:
+        encoder_probe(pipe, rng, args.split)
     scenes = [s for s in sample_scenes(4 * args.n, rng, split=args.split) if len(s.objects) == 1][: args.n]
     styles = [random_style(rng, args.split) for _ in scenes]
     caps = {"true": [caption(s, style=st) for s, st in zip(scenes, styles)]}
