@@ -343,6 +343,13 @@ def kernel_bench(heads: int, n: int, head_dim: int, densities, *, block: int = 1
         flex_block_mask,
     )
 
+    # Each kernel_options set compiles flex once more; past dynamo's recompile limit (8) flex would fall
+    # back to eager, which materializes every score (51 GB at the 1.3B shape).
+    import torch._dynamo
+
+    dyn = torch._dynamo.config
+    if hasattr(dyn, "recompile_limit"):
+        dyn.recompile_limit = max(dyn.recompile_limit, 16 + 4 * len(option_sets))
     check = check_flex_against_sdpa(device)  # raises on a mismatch
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, heads, n, head_dim, device=device, dtype=torch.bfloat16, generator=g) for _ in range(3))

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Sweep one carnator knob on the embedded world: quality and speed of forced reuses at each value.
+
+    python scripts/sweep_knob.py --knob resume_step --values 10,15,20,25,30,35 [-n 48] [--out sweep.jsonl]
+    python scripts/sweep_knob.py --knob p --values 0.5,0.7,0.8,0.9,0.97 [-n 40] [--out sweep_p.jsonl]
+
+Pairs as `carnator calibrate` draws them (train split, edit kinds in turn). For each pair the target
+is generated dense; for each value the source request is generated and cached under that value
+(once for ``resume_step``, once per value for ``p``, the attention-mass fraction its block masks are
+recorded with), and the target reuses it with the thresholds open (every pair that passes recall and
+the noun filter reuses; the target is not stored). Printed per value: reuses, mean fidelity and
+artifact of the reuse minus dense (with the standard error), the share the calibration rule calls
+acceptable, mean mask density, and the DiT and end-to-end speedups over the same pair's dense run.
+Rows are appended to --out as they finish, and a rerun with the same --out skips them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=40)
+    ap.add_argument("--knob", choices=["resume_step", "p"], default="resume_step")
+    ap.add_argument("--values", default="10,15,20,25,30")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="sweep.jsonl")
+    args = ap.parse_args()
+
+    import diffusers
+
+    from carnator import Carnator
+    from carnator.calibration import QualityRule, make_pairs
+    from carnator.attention.controller import SparseConfig
+    from carnator.policies.carnator import CarnatorConfig, CarnatorPolicy
+    from carnator.reuse import Thresholds
+    from carnator.world.judge import judge
+
+    diffusers.utils.logging.disable_progress_bar()
+    values = [(int if args.knob == "resume_step" else float)(x) for x in args.values.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="sweep-resume-"))
+    eng = Carnator.from_pretrained("embedded", cache_dir=tmp / "cache", device="cpu")
+    open_tau = tmp / "open.json"
+    Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=eng.model_identity)
+    base = eng.policy("carnator").cfg
+
+    def setting(v):
+        if args.knob == "resume_step":
+            return {"resume_step": v}
+        return {"sparse": SparseConfig(**{**vars(base.sparse), "p": v})}
+
+    for v in values:
+        eng._policies[f"source{v}"] = CarnatorPolicy(CarnatorConfig(**{**vars(base), **setting(v)}))
+        eng._policies[f"forced{v}"] = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), **setting(v)}))
+    eng.generate("a red ball on grass", seed=0, policy="dense", tenant="warmup", store=False)  # first-call costs, not timed
+    rule = QualityRule()
+    out = Path(args.out)
+    done = {json.loads(line)["i"] for line in out.read_text().splitlines()} if out.exists() else set()
+    with open(out, "a") as log:
+        for i, (kind, src, s_seed, tgt, t_seed) in enumerate(make_pairs(args.n, seed=args.seed)):
+            if i in done:
+                continue
+            dense = eng.generate(tgt, seed=t_seed, policy="dense", tenant="dense", store=False)
+            jd = judge(dense.frames, tgt)
+            row = {"i": i, "kind": kind, "knob": args.knob, "dense": {"fidelity": jd.fidelity, "artifact": jd.artifact,
+                                                                      "dit": dense.stats.timings["dit"], "total": dense.stats.timings["total"]}, "reuse": {}}
+            for v in values:
+                tenant = f"sweep{i}" if args.knob == "resume_step" else f"sweep{i}-{v}"  # p: a source per value
+                if v == values[0] or args.knob != "resume_step":
+                    eng.generate(src, seed=s_seed, policy=f"source{v}", tenant=tenant)
+                res = eng.generate(tgt, seed=t_seed, policy=f"forced{v}", tenant=tenant, store=False)
+                if args.knob != "resume_step":
+                    eng.bank.clear(tenant=tenant)
+                if not res.stats.hit:
+                    row["reuse"][v] = None
+                    continue
+                jr = judge(res.frames, tgt)
+                row["reuse"][v] = {"fidelity": jr.fidelity, "artifact": jr.artifact, "dit": res.stats.timings["dit"],
+                                   "total": res.stats.timings["total"], "active_fraction": res.stats.active_fraction,
+                                   "mask_density": res.stats.mask_density,
+                                   "acceptable": bool(jr.fidelity >= jd.fidelity - rule.delta_fidelity and jr.artifact <= jd.artifact + rule.delta_artifact)}
+            eng.bank.clear(tenant=f"sweep{i}")
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(f"{i + 1}/{args.n} {kind:7s} " + " ".join(f"{v}:{'-' if u is None else round(u['fidelity'] - jd.fidelity, 2)}" for v, u in row["reuse"].items()), flush=True)
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [r for r in rows if r.get("knob", "resume_step") == args.knob]
+    print(f"\n{len(rows)} pairs; reuse minus dense, mean (standard error); rule: fidelity >= dense - {rule.delta_fidelity}, artifact <= dense + {rule.delta_artifact}")
+    print(f"| {args.knob} | reuses | fidelity | artifact | acceptable | mask density | DiT speedup | E2E speedup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for v in values:
+        got = [(row["dense"], row["reuse"][str(v)]) for row in rows if row["reuse"].get(str(v))]
+        if not got:
+            print(f"| {v} | 0 | | | | | | |")
+            continue
+        df = np.array([u["fidelity"] - d["fidelity"] for d, u in got])
+        da = np.array([u["artifact"] - d["artifact"] for d, u in got])
+        se = lambda x: x.std(ddof=1) / math.sqrt(len(x)) if len(x) > 1 else float("nan")  # noqa: E731
+        acc = np.mean([u["acceptable"] for _, u in got])
+        sp_dit = np.mean([d["dit"] / u["dit"] for d, u in got])
+        sp_e2e = np.mean([d["total"] / u["total"] for d, u in got])
+        dens = np.mean([u.get("mask_density") or 0.0 for _, u in got])
+        print(f"| {v} | {len(got)} | {df.mean():+.3f} ({se(df):.3f}) | {da.mean():+.3f} ({se(da):.3f}) | {acc:.0%} | {dens:.2f} | {sp_dit:.2f}x | {sp_e2e:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
