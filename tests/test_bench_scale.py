@@ -166,9 +166,9 @@ def test_kernel_bench_times_every_kernel_option_set(monkeypatch):
     monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", lambda *a, **k: contextlib.nullcontext())  # cuDNN is CUDA-only
     monkeypatch.setattr(kernels, "compiled_flex_attention", lambda: flex_attention)
     monkeypatch.setattr(kernels, "check_flex_against_sdpa", lambda device: [{"err_full": 0.0}])
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    out = scale.kernel_bench(2, 300, 32, (0.3, 0.6), block=128, reps=1, device="cpu", option_sets=[None, {"num_warps": 4}])
-    assert torch._dynamo.config.recompile_limit >= 16 + 4 * 2  # every option set compiles once more: never fall back to eager
+    with torch._dynamo.config.patch(recompile_limit=8):  # (restored on exit; monkeypatch would delete the config key)
+        out = scale.kernel_bench(2, 300, 32, (0.3, 0.6), block=128, reps=1, device="cpu", option_sets=[None, {"num_warps": 4}])
+        assert torch._dynamo.config.recompile_limit >= 16 + 4 * 2  # every option set compiles once more: never fall back to eager
     assert [v["options"] for v in out["variants"]] == [None, {"num_warps": 4}]
     assert out["rows"] == out["variants"][0]["rows"] and out["flex_dense_ms"] == 2.0
     for var in out["variants"]:
