@@ -50,8 +50,8 @@ def main() -> int:
     print(f"{args.n} train captions, two seeds each, {time.time() - t0:.0f} s; fidelity {fa.mean():.3f} / {fb.mean():.3f}, "
           f"artifact {aa.mean():.3f} / {ab.mean():.3f}; mean |difference| fidelity {np.abs(fa - fb).mean():.3f}, artifact {np.abs(aa - ab).mean():.3f}")
     for rule in (default, QualityRule(0.1, 0.05), QualityRule(0.2, 0.05), QualityRule(0.1, 1.0)):
-        fid_bad, art_bad = fb < fa - rule.delta_fidelity, ab > aa + rule.delta_artifact
-        bad = fid_bad | art_bad
+        bad = ~rule.acceptable(fb, ab, fa, aa)
+        fid_bad, art_bad = fb < fa - rule.delta_fidelity, ab > aa + rule.delta_artifact  # which half failed
         tag = " (calibrate's default)" if rule == default else ""
         print(f"rule delta_fidelity {rule.delta_fidelity}, delta_artifact {rule.delta_artifact}{tag}: a re-seeded dense clip is unacceptable in "
               f"{bad.mean():.0%} ({bad.sum()}/{args.n}; fidelity {fid_bad.mean():.0%}, artifact {art_bad.mean():.0%})")

@@ -85,7 +85,7 @@ def main() -> int:
                 row["reuse"][v] = {"fidelity": jr.fidelity, "artifact": jr.artifact, "dit": res.stats.timings["dit"],
                                    "total": res.stats.timings["total"], "active_fraction": res.stats.active_fraction,
                                    "mask_density": res.stats.mask_density,
-                                   "acceptable": bool(jr.fidelity >= jd.fidelity - rule.delta_fidelity and jr.artifact <= jd.artifact + rule.delta_artifact)}
+                                   "acceptable": bool(rule.acceptable(jr.fidelity, jr.artifact, jd.fidelity, jd.artifact))}
             eng.bank.clear(tenant=f"sweep{i}")
             log.write(json.dumps(row) + "\n")
             log.flush()

@@ -356,3 +356,15 @@ def test_upsample_tokens():
     up = upsample_tokens(w, (1, 2, 2))
     assert up.shape == (2, 4, 4)
     np.testing.assert_array_equal(up[1], np.kron(w[1], np.ones((2, 2))))
+
+
+def test_quality_rule_hand_computed():
+    """fidelity >= dense - 0.1 and artifact <= dense + 0.02 (calibrate's default), on floats and elementwise."""
+    from carnator.calibration import QualityRule
+
+    r = QualityRule()
+    assert r.acceptable(0.55, 0.10, 0.6, 0.09)         # within both limits
+    assert not r.acceptable(0.4, 0.09, 0.6, 0.09)      # lost an attribute (0.2)
+    assert not r.acceptable(0.6, 0.12, 0.6, 0.09)      # artifact 0.03 above dense
+    got = r.acceptable(np.array([0.55, 0.4, 0.6]), np.array([0.10, 0.09, 0.12]), np.full(3, 0.6), np.full(3, 0.09))
+    assert got.tolist() == [True, False, False]

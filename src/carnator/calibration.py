@@ -31,6 +31,10 @@ class QualityRule:
     delta_fidelity: float = 0.1
     delta_artifact: float = 0.02
 
+    def acceptable(self, fidelity, artifact, dense_fidelity, dense_artifact):
+        """The rule on one reuse (floats -> bool) or elementwise on arrays (-> bool array)."""
+        return (fidelity >= dense_fidelity - self.delta_fidelity) & (artifact <= dense_artifact + self.delta_artifact)
+
 
 def make_pairs(n: int, seed: int = 0):
     """n (kind, source caption, source seed, target caption, target seed) tuples from the train split."""
@@ -88,7 +92,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
                    # the plan's parameters (bench-scale replays these at real sizes)
                    "resume_step": reuse.stats.resume_step, "active_fraction": reuse.stats.active_fraction,
                    "mask_density": reuse.stats.mask_density}
-            row["acceptable"] = bool(jr.fidelity >= jd.fidelity - rule.delta_fidelity and jr.artifact <= jd.artifact + rule.delta_artifact)
+            row["acceptable"] = bool(rule.acceptable(jr.fidelity, jr.artifact, jd.fidelity, jd.artifact))
             log.write(json.dumps(row) + "\n")
             log.flush()
             done[i] = row

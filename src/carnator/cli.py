@@ -200,7 +200,7 @@ def _flex_options_arg(flag: str, text: str | None, *, many: bool):
     """``--flex-options`` (a JSON object) or ``--kernel-sweep`` (a JSON list of objects), checked like the kernels will."""
     import json
 
-    from .attention.kernels import set_flex_kernel_options
+    from .attention.kernels import check_flex_kernel_options
 
     if text is None:
         return None
@@ -213,10 +213,9 @@ def _flex_options_arg(flag: str, text: str | None, *, many: bool):
         raise CarnatorError(f"{flag} must be a JSON list of objects, e.g. '[{{\"USE_TMA\": true}}]'")
     for opts in sets:
         try:
-            previous = set_flex_kernel_options(opts)  # validates the keys
+            check_flex_kernel_options(opts)
         except ValueError as e:
             raise CarnatorError(f"{flag}: {e}") from None
-        set_flex_kernel_options(previous)
     return value
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "check_flex_against_sdpa",
     "flex_block_mask",
     "gather_tokens",
+    "check_flex_kernel_options",
     "masked_attention",
     "scatter_tokens",
     "set_flex_kernel_options",
@@ -47,25 +48,34 @@ _compiled_flex: Any = None
 _flex_options: dict[str, Any] | None = None
 
 
+def check_flex_kernel_options(options: Any) -> None:
+    """Raise ``ValueError`` unless ``options`` is ``None`` or a dict of ``FlexKernelOptions`` keys.
+
+    Keys are those of ``torch.nn.attention.flex_attention.FlexKernelOptions`` (e.g. ``BLOCK_M``,
+    ``BLOCK_N``, ``num_warps``, ``num_stages``, ``USE_TMA``): an unknown key fails here rather than
+    as a compile error later.
+    """
+    if options is None:
+        return
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    if not isinstance(options, dict):
+        raise ValueError(f"flex kernel options must be a dict, got {type(options).__name__}")
+    known = FlexKernelOptions.__annotations__
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown FlexAttention kernel option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+
 def set_flex_kernel_options(options: dict[str, Any] | None) -> dict[str, Any] | None:
     """Use ``options`` as FlexAttention ``kernel_options`` for this process's flex calls; returns the previous ones.
 
-    Keys are those of ``torch.nn.attention.flex_attention.FlexKernelOptions`` (e.g. ``BLOCK_M``,
-    ``BLOCK_N``, ``num_warps``, ``num_stages``, ``USE_TMA``); an unknown key is a ``ValueError`` here
-    rather than a compile error later. The mask's block size must be a multiple of ``BLOCK_M`` and
-    ``BLOCK_N``. Each distinct set compiles the kernel once more.
+    Checked by :func:`check_flex_kernel_options`. The mask's block size must be a multiple of
+    ``BLOCK_M`` and ``BLOCK_N``. Each distinct set compiles the kernel once more.
     """
     global _flex_options
-    if options is not None:
-        from torch.nn.attention.flex_attention import FlexKernelOptions
-
-        if not isinstance(options, dict):
-            raise ValueError(f"flex kernel options must be a dict, got {type(options).__name__}")
-        unknown = sorted(set(options) - set(FlexKernelOptions.__annotations__))
-        if unknown:
-            raise ValueError(f"unknown FlexAttention kernel option(s) {', '.join(unknown)}; known: {', '.join(sorted(FlexKernelOptions.__annotations__))}")
-        options = dict(options) or None
-    previous, _flex_options = _flex_options, options
+    check_flex_kernel_options(options)
+    previous, _flex_options = _flex_options, (dict(options) or None) if options is not None else None
     return previous
 
 

@@ -104,12 +104,15 @@ def prune_clips(out: Path, rows: list[dict], order: list[str], n: int) -> list[i
 
 
 def summarize(done, order, n, dfid, dart) -> dict:
+    from ..calibration import QualityRule
+
+    rule = QualityRule(dfid, dart)
     dense = {i: done[("dense", i)] for i in range(n)}
     rep = {"requests": n, "delta_fidelity": dfid, "delta_artifact": dart, "policies": {}}
     for pol in order:
         rows = [done[(pol, i)] for i in range(n)]
         hits = [r for r in rows if r["hit"]]
-        unsafe = [r for r in hits if r["fidelity"] < dense[r["i"]]["fidelity"] - dfid or r["artifact"] > dense[r["i"]]["artifact"] + dart]
+        unsafe = [r for r in hits if not rule.acceptable(r["fidelity"], r["artifact"], dense[r["i"]]["fidelity"], dense[r["i"]]["artifact"])]
 
         def ratio(key, sel):
             a = sum(dense[r["i"]][key] for r in sel)
