@@ -45,6 +45,9 @@ class Pool:
         cfg = pipe.cfg
         self.video = torch.empty((n, 3, cfg.frames, cfg.size, cfg.size), dtype=torch.uint8, device=dev)
         self.ids = torch.zeros((n, captions_per_clip, cfg.max_words), dtype=torch.long, device=dev)
+        # Where the objects are (dilated by 2 px, so a shape drawn too big is caught too): the loss's
+        # foreground weight. One bit per pixel and frame.
+        self.fg = torch.zeros((n, cfg.frames, cfg.size, cfg.size), dtype=torch.bool, device=dev)
         self.cursor = 0
         self.refresh(n)
 
@@ -57,8 +60,10 @@ class Pool:
             ids, _ = self.pipe.tokenizer(caps)
             sl = slice(self.cursor, self.cursor + m)
             with torch.no_grad():
-                v = render(scenes, cfg.frames, cfg.size, device=self.dev, generator=self.gen).video
-                self.video[sl] = (v * 255).round().to(torch.uint8)
+                r = render(scenes, cfg.frames, cfg.size, device=self.dev, generator=self.gen)
+                self.video[sl] = (r.video * 255).round().to(torch.uint8)
+                fg = r.masks.any(1).float()                                           # (m, T, H, W)
+                self.fg[sl] = torch.nn.functional.max_pool2d(fg.flatten(0, 1)[:, None], 5, 1, 2).view_as(fg) > 0
             self.ids[sl] = ids.view(m, self.k, -1).to(self.dev)
             self.cursor = (self.cursor + m) % self.n
             count -= m
@@ -70,7 +75,7 @@ class Pool:
         ids = self.ids[idx, which]
         keep = torch.rand(bsz, device=self.dev, generator=self.gen) >= drop   # caption dropout (for CFG)
         ids = ids * keep[:, None]
-        return video, ids, ids != 0
+        return video, ids, ids != 0, self.fg[idx]
 
 
 def shifted(s: torch.Tensor, shift: float) -> torch.Tensor:
@@ -96,6 +101,8 @@ def main() -> int:
     ap.add_argument("--loss", choices=["velocity", "x0"], default="velocity",
                     help="x0-prediction's loss weighting: 'velocity' = ||x0_hat - x0||^2 / max(sigma, floor)^2 (the flow-velocity loss), "
                          "'x0' = ||x0_hat - x0||^2 (relatively more weight on high noise, where shape and motion are decided)")
+    ap.add_argument("--fg-weight", type=float, default=1.0,
+                    help="loss weight of object pixels (dilated 2 px) relative to background pixels; the loss is the weighted mean")
     ap.add_argument("--sigma-floor", type=float, default=0.05, help="floor of sigma in the velocity weighting")
     ap.add_argument("--decay", type=float, default=0.0, help="fraction of --minutes at the end over which lr decays linearly to 5 %%")
     ap.add_argument("--codec-factor", type=int, default=None, help="architecture (new runs; default: EmbeddedConfig's)")
@@ -161,8 +168,12 @@ def main() -> int:
         if step and args.refresh:
             pool.refresh(args.refresh)
         with torch.no_grad():
-            video, ids, mask = pool.batch(args.batch, args.drop)
+            video, ids, mask, fg = pool.batch(args.batch, args.drop)
             x0 = pipe.vae.encode(video)
+            # Per-element loss weight: 1 on the background, --fg-weight on (dilated) object pixels. The
+            # latent is a pixel rearrangement, so the pixel weight maps through the codec exactly.
+            wpix = (1 + (args.fg_weight - 1) * fg.float())[:, None].expand(-1, 3, -1, -1, -1)
+            wfg = (pipe.vae.encode(wpix) + 1) / 2
             noise = torch.randn(x0.shape, device=dev, generator=gen)
             # Noise levels: half uniform over the whole range (the low levels clean up the last steps), half
             # logit-normal shifted towards noise, where layout, shape and motion are decided.
@@ -182,13 +193,12 @@ def main() -> int:
             emb = pipe.text_encoder(ids, mask)
             pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=emb, return_dict=False)[0]
         if cfg.prediction == "x0":
+            err = (pred.float() - x0) ** 2
             if args.loss == "velocity":  # ||(x0_hat - x0) / sigma||^2, sigma floored
-                w = 1.0 / sigma.clamp_min(args.sigma_floor).view(-1, 1, 1, 1, 1)
-                loss = torch.nn.functional.mse_loss(pred.float() * w, x0 * w)
-            else:
-                loss = torch.nn.functional.mse_loss(pred.float(), x0)
+                err = err / sigma.clamp_min(args.sigma_floor).view(-1, 1, 1, 1, 1) ** 2
         else:
-            loss = torch.nn.functional.mse_loss(pred.float(), target)
+            err = (pred.float() - target) ** 2
+        loss = (err * wfg).sum() / wfg.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -208,7 +218,7 @@ def main() -> int:
     train_s = time.time() - t_start
     print(f"trained {step} steps in {train_s:.0f}s", flush=True)
 
-    info = {"steps": step, "batch": args.batch, "loss": args.loss, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
+    info = {"steps": step, "batch": args.batch, "loss": args.loss, "fg_weight": args.fg_weight, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
             "resumed_from": args.resume,
             "total_steps": step + (json.loads((resume_dir / "weights.json").read_text())["info"].get("total_steps", 0) if resume_dir else 0), "params": n_params, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     # (the device tool returns at most 8 files: resume.json is not kept, weights.json has the same info)

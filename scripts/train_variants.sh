@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Train several variants of the embedded model side by side on one GPU (one device call), then
+# measure each one's use of the attribute words (scripts/text_sensitivity.py), and pack the results
+# so that they fit the device tool's return limit (8 files of <= 16 MiB):
+#   $OUT/NAME.tar  - weights.safetensors (EMA) + weights.json + loss.csv + eval.json + sensitivity.txt
+#   $OUT/best-resume.safetensors, $OUT/best-opt.safetensors - the best variant's raw weights and
+#   AdamW moments (with NAME.tar's files, a directory to --resume from)
+#
+#   bash scripts/train_variants.sh OUT_DIR "a:--loss x0" "b:--loss x0 --fg-weight 8" ...
+# Common arguments for every variant go in $TRAIN_ARGS; the small model leaves the GPU mostly idle
+# between kernel launches, so variants running together each keep most of their speed.
+set -u
+out=$1; shift
+work=${WORK:-/tmp/variants}
+mkdir -p "$out" "$work"
+names=()
+for spec in "$@"; do
+    name=${spec%%:*}; args=${spec#*:}
+    names+=("$name")
+    # shellcheck disable=SC2086
+    python scripts/train_embedded.py ${TRAIN_ARGS:-} $args --out "$work/$name" > "$work/$name.log" 2>&1 &
+done
+wait
+for name in "${names[@]}"; do
+    tail -4 "$work/$name.log"
+    (python scripts/text_sensitivity.py --weights "$work/$name" -n "${SENS_N:-96}" > "$work/$name/sensitivity.txt" 2>&1; cp "$work/$name.log" "$work/$name/train.log") &
+done
+wait
+best=$(python - "$work" "${names[@]}" <<'EOF'
+import json, sys
+from pathlib import Path
+work, names = Path(sys.argv[1]), sys.argv[2:]
+scores = {}
+for n in names:
+    f = work / n / "eval.json"
+    if f.exists():
+        scores[n] = max(r["fidelity"] for r in json.loads(f.read_text()))
+    print(n, scores.get(n), file=sys.stderr)
+print(max(scores, key=scores.get) if scores else "")
+EOF
+)
+for name in "${names[@]}"; do
+    cat "$work/$name/sensitivity.txt"
+    (cd "$work/$name" && tar cf "$out/$name.tar" --ignore-failed-read weights.safetensors weights.json loss.csv eval.json sensitivity.txt train.log)
+done
+if [ -n "$best" ]; then
+    echo "best: $best"
+    cp "$work/$best/resume.safetensors" "$out/best-resume.safetensors"
+    cp "$work/$best/opt.safetensors" "$out/best-opt.safetensors"
+fi
