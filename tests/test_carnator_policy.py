@@ -57,6 +57,29 @@ def test_hit_resumes_and_keeps_cached_latent_outside_active(tmp_path):
     assert not same.all()
 
 
+@pytest.mark.parametrize("dilation, high, windowed", [(0, 0.9, True), (8, 0.5, False)])
+def test_the_window_exists_only_when_the_active_region_is_partial(tmp_path, dilation, high, windowed):
+    """With the Active region covering every token (8 x 8 token frames, dilation 8, a region in every latent
+    frame) the middle-layer window would recompute everything through a gather/scatter: the plan has none,
+    and every layer runs in full."""
+    from carnator.reuse import ScopeConfig
+    from carnator.signature.regions import RegionConfig
+
+    eng = make_engine(tmp_path, OPEN, scope=ScopeConfig(active_dilation=dilation, context_dilation=1),
+                      region=RegionConfig(high=high, low=min(0.8, high / 2)))
+    eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
+    ctrl, seen = eng.adapter.attention(), []
+    h = eng.pipe.transformer.register_forward_pre_hook(lambda m, a: seen.append(ctrl.window is not None))
+    try:
+        b = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
+    finally:
+        h.remove()
+    assert b.stats.hit and (b.stats.active_fraction < 1) == windowed
+    # One forward per step (the embedded model batches both CFG branches): the 4 probe steps run without a
+    # window; from the resume step on, the plan's.
+    assert seen == [False] * 4 + [windowed] * (STEPS - RESUME)
+
+
 @pytest.mark.slow
 def test_noun_filter_and_tight_thresholds_give_misses(tmp_path):
     eng = make_engine(tmp_path, Thresholds(context=-1.0, size=-1.0, shape=-1.0, color=-1.0))

@@ -326,3 +326,17 @@ def test_composed_with_chorus_the_window_switches_restart_the_state(embedded, tm
     assert not a.stats.hit and s.hit and s.notes["stages"] == [2, 6] and 0 < s.active_fraction < 1
     # Reset at the first forward (step 2, after the resume), when the window switches on (3) and off (6).
     assert s.notes["intra_cache"]["resets"] == 3
+
+
+def test_taylorseer_predicts_the_window_layers_attention_too(embedded, tmp_path):
+    """Inside the window the block forward calls its self-attention module (not the processor behind it), so
+    diffusers' hooks on that module see the call: a window layer's attention is predicted on exactly the steps
+    a layer outside the window is (before, it was computed on every window forward)."""
+    tight = {"region_high": 0.9, "region_low": 0.8, "scope": ScopeConfig(active_dilation=0, context_dilation=1)}
+    eng = engine(embedded, tmp_path, "taylorseer:warmup=1,interval=3", policy_options={"chorus": tight})
+    gen(eng, steps=12, policy="chorus", store=True)
+    assert list(eng.policy("chorus").cfg.window) == [0.2, 0.867]  # layers 1-4 of the embedded model's 6
+    with calls(embedded.pipe.transformer, "blocks.0.attn1.to_q", "blocks.2.attn1.to_q", "blocks.2.norm2") as n:
+        b = gen(eng, steps=12, prompt="a small red box moving left on grass", seed=2, policy="chorus", store=True)
+    assert b.stats.hit and 0 < b.stats.active_fraction < 1
+    assert n["blocks.2.attn1.to_q"] == n["blocks.0.attn1.to_q"] < n["blocks.2.norm2"]

@@ -88,7 +88,7 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
         if image_rotary_emb is not None:
             cos, sin = image_rotary_emb
             rot_a, rot_c = (cos[act], sin[act]), (cos[ctx], sin[ctx])
-        att_x, att_e = self.attn1.processor(self.attn1, n_x, n_e, None, rot_a, kv_states=n_xc, kv_rotary=rot_c)
+        att_x, att_e = self.attn1(n_x, n_e, None, image_rotary_emb=rot_a, kv_states=n_xc, kv_rotary=rot_c)
         x = x + gate_msa * att_x
         enc = encoder_hidden_states + enc_gate_msa * att_e
         n_x, n_e, gate_ff, enc_gate_ff = self.norm2(x, enc, temb)

@@ -103,7 +103,7 @@ def _window_dual_forward(block, ctrl: AttentionController, layer: int, original)
         n_x, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, emb=temb)
         n_xc = self.norm1(xc, emb=temb)[0]
         n_e, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states, emb=temb)
-        att_x, att_e = self.attn.processor(self.attn, n_x, n_e, attention_mask, _rot(freqs_cis, act), kv_states=n_xc, kv_rotary=_rot(freqs_cis, ctx))
+        att_x, att_e = self.attn(n_x, n_e, attention_mask, image_rotary_emb=_rot(freqs_cis, act), kv_states=n_xc, kv_rotary=_rot(freqs_cis, ctx))
         x = x + att_x * gate_msa.unsqueeze(1)
         enc = encoder_hidden_states + att_e * c_gate_msa.unsqueeze(1)
         n_x = self.norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
@@ -130,8 +130,8 @@ def _window_single_forward(block, ctrl: AttentionController, layer: int, origina
         n_j, gate = self.norm(joint, emb=temb)
         mlp = self.act_mlp(self.proj_mlp(n_j))
         n_xc = self.norm(hidden_states[:, ctx], emb=temb)[0]
-        att_x, att_e = self.attn.processor(self.attn, n_j[:, :-n_txt], n_j[:, -n_txt:], attention_mask, _rot(image_rotary_emb, act),
-                                           kv_states=n_xc, kv_rotary=_rot(image_rotary_emb, ctx))
+        att_x, att_e = self.attn(n_j[:, :-n_txt], n_j[:, -n_txt:], attention_mask, image_rotary_emb=_rot(image_rotary_emb, act),
+                                 kv_states=n_xc, kv_rotary=_rot(image_rotary_emb, ctx))
         h = torch.cat([torch.cat([att_x, att_e], dim=1), mlp], dim=2)
         h = gate.unsqueeze(1) * self.proj_out(h) + joint
         out = hidden_states.clone()

@@ -109,7 +109,7 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
         if image_rotary_emb is not None:
             cos, sin = image_rotary_emb
             rot_a, rot_c = (cos[:, act], sin[:, act]), (cos[:, ctx], sin[:, ctx])
-        att = self.attn1.processor(self.attn1, n_a, None, None, rot_a, kv_states=n_c, kv_rotary=rot_c)
+        att = self.attn1(n_a, None, None, rot_a, kv_states=n_c, kv_rotary=rot_c)
         x = x + att * m_a[2]
         x = x + self.attn2(x, encoder_hidden_states=encoder_hidden_states, image_rotary_emb=None, attention_mask=encoder_attention_mask)
         x = x + self.ff(self.norm2(x) * (1 + m_a[4]) + m_a[3]) * m_a[5]

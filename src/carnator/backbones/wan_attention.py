@@ -96,7 +96,7 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
         n_a = (self.norm1(x.float()) * (1 + scale_) + shift).type_as(x)
         n_c = (self.norm1(xc.float()) * (1 + m_c[1]) + m_c[0]).type_as(xc)
         cos, sin = rotary_emb
-        att = self.attn1.processor(self.attn1, n_a, None, None, (cos[:, act], sin[:, act]), kv_states=n_c, kv_rotary=(cos[:, ctx], sin[:, ctx]))
+        att = self.attn1(n_a, None, None, (cos[:, act], sin[:, act]), kv_states=n_c, kv_rotary=(cos[:, ctx], sin[:, ctx]))
         x = (x.float() + att * gate).type_as(x)
         x = x + self.attn2(self.norm2(x.float()).type_as(x), encoder_hidden_states, None, None)
         ff = self.ffn((self.norm3(x.float()) * (1 + c_scale) + c_shift).type_as(x))

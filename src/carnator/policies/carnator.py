@@ -215,7 +215,10 @@ class CarnatorPolicy(Policy):
         lo, hi = int(round(cfg.window[0] * L)), int(round(cfg.window[1] * L))
         active = torch.from_numpy(np.flatnonzero(scope.active.reshape(-1)))
         context = torch.from_numpy(np.flatnonzero(scope.context.reshape(-1)))
-        ctrl.window = WindowPlan(range(lo, hi), active, context) if hi > lo and len(active) > 0 else None
+        # An Active region that covers every token restricts nothing: no window (its gather/scatter would
+        # copy every token for nothing), so every layer runs in full, block-sparse where masks apply.
+        partial = 0 < len(active) < scope.active.size
+        ctrl.window = WindowPlan(range(lo, hi), active, context) if hi > lo and partial else None
         density = None
         if cfg.reuse_masks:
             try:
