@@ -117,13 +117,14 @@ def main() -> int:
             ("sdpa dense flash", [SDPBackend.FLASH_ATTENTION]),
             ("sdpa dense default", None),
         ):
+            def fn():
+                return F.scaled_dot_product_attention(q, k, v)
+
             try:
                 if backends is None:
-                    fn = lambda: F.scaled_dot_product_attention(q, k, v)
                     table.append((name, 1.0, bench(fn, rep)))
                 else:
                     with sdpa_kernel(backends):
-                        fn = lambda: F.scaled_dot_product_attention(q, k, v)
                         fn()
                         table.append((name, 1.0, bench(fn, rep)))
             except RuntimeError as e:

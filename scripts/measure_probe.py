@@ -226,7 +226,9 @@ def main():
         evaluate(i, all_keys, True)
     print(f"grid on {G} scenes done ({time.time() - t0:.0f}s)", flush=True)
     d0 = RegionConfig()
-    score0 = lambda k: float(np.mean(R[k]["iou"] or [0])) + 0.5 * float(np.mean(np.array(R[k]["de_final"] or [np.inf]) <= DE_OK))
+    def score0(k):
+        return float(np.mean(R[k]["iou"] or [0])) + 0.5 * float(np.mean(np.array(R[k]["de_final"] or [np.inf]) <= DE_OK))
+
     chosen = {(layer, d0.eps, d0.gamma, d0.high, d0.low, d0.pos_fraction) for layer in range(L)}
     chosen |= {max((k for k in all_keys if k[0] == layer), key=score0) for layer in range(L)}
     for i in range(G, args.n):  # colour vs caption on every scene, for the defaults and each layer's best setting
@@ -234,8 +236,12 @@ def main():
     t_probe = time.time() - t0
 
     def summ(d):
-        f = lambda k: float(np.mean(d[k])) if d.get(k) else float("nan")
-        sh = lambda k: float(np.mean(np.array(d[k]) <= DE_OK)) if d.get(k) else float("nan")
+        def f(k):
+            return float(np.mean(d[k])) if d.get(k) else float("nan")
+
+        def sh(k):
+            return float(np.mean(np.array(d[k]) <= DE_OK)) if d.get(k) else float("nan")
+
         return dict(iou=f("iou"), iou_tok=f("iou_tok"), col_final=sh("de_final"), col_named=sh("de_named"),
                     n_iou=len(d.get("iou", [])), n_named=len(d.get("de_named", [])),
                     place_cov=f("place_cov"), place_prec=f("place_prec"), place_iou=f("place_iou"))
@@ -244,13 +250,19 @@ def main():
     fused = {k: s for k, s in S.items() if k[1] != "cross"}
     cross = {k: s for k, s in S.items() if k[1] == "cross"}
     default = RegionConfig()
-    dkey = lambda layer: (layer, default.eps, default.gamma, default.high, default.low, default.pos_fraction)
-    score = lambda s: s["iou"] + 0.5 * s["col_final"]  # ranking: IoU first, colour as a tie-weight
+    def dkey(layer):
+        return (layer, default.eps, default.gamma, default.high, default.low, default.pos_fraction)
+
+    def score(s):  # ranking: IoU first, colour as a tie-weight
+        return s["iou"] + 0.5 * s["col_final"]
+
     best = max(fused, key=lambda k: score(fused[k]))
     best_per_layer = {layer: max((k for k in fused if k[0] == layer), key=lambda k: score(fused[k])) for layer in range(L)}
     best_cross = {layer: max((k for k in cross if k[0] == layer), key=lambda k: cross[k]["iou"]) for layer in range(L)}
 
-    fmt = lambda x: "n/a" if x != x else f"{x:.3f}"
+    def fmt(x):
+        return "n/a" if x != x else f"{x:.3f}"
+
     lines = [
         "# Probe measurement: Evidence Regions and probe colours vs the model's own output",
         "",
