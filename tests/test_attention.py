@@ -14,6 +14,7 @@ from safetensors.torch import save as st_save
 
 from carnator.attention import (
     BlockMaskSet,
+    BlockTable,
     block_token_index,
     check_flex_against_sdpa,
     estimate_block_mass,
@@ -298,6 +299,29 @@ def test_flex_block_mask_table_and_eager_flex_match_sdpa():
     assert len(rows) == 2 and rows[0]["zero_rows_full"] == 0.0
 
 
+def test_a_block_table_builds_its_flex_mask_once_and_answers_as_the_bare_tensor():
+    q, k, v = (_randn(2, 2, 45, 8, seed=s, dtype=torch.float32) for s in (31, 32, 33))
+    bm = _random_block_mask(2, 2, 6, 6, seed=34)
+    table = BlockTable(bm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = masked_attention(q, k, v, bm, 8, backend="flex")
+        first = masked_attention(q, k, v, table, 8, backend="flex")
+        built = table.flex(8, 45, 45)
+        second = masked_attention(q * 2, k, v, table, 8, backend="flex")
+        sdpa = masked_attention(q, k, v, table, 8, backend="sdpa")
+    assert torch.equal(first, ref) and torch.equal(sdpa, masked_attention(q, k, v, bm, 8, backend="sdpa"))
+    assert table.flex(8, 45, 45) is built and len(table._flex) == 1          # built once, reused
+    assert torch.equal(built.to_dense().bool(), bm)
+    assert not torch.equal(second, first)                                   # same mask, new queries
+    # a table whose batch differs from the call's is broadcast and built afresh, not its cached mask misused
+    one = BlockTable(bm[:1, :1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = masked_attention(q, k, v, one, 8, backend="flex")
+    assert torch.equal(out, masked_attention(q, k, v, bm[:1, :1].expand(2, 2, 6, 6), 8, backend="flex")) and not one._flex
+
+
 # ---------------------------------------------------------------- restriction and token helpers
 
 
@@ -391,10 +415,15 @@ def test_nearest_mask_serves_the_steps_between_recorded_ones():
     ctrl.use_masks(ms, "cpu")
     ctrl.branches = (0,)
     ctrl.step = 4
-    assert torch.equal(ctrl.cached_mask(1, "cpu")[0], m0)
+    t4 = ctrl.cached_mask(1, "cpu")
+    assert torch.equal(t4.table[0], m0)
     ctrl.step = 7
-    assert torch.equal(ctrl.cached_mask(1, "cpu")[0], m5)
+    t7 = ctrl.cached_mask(1, "cpu")
+    assert torch.equal(t7.table[0], m5)
     assert ctrl.cached_mask(0, "cpu") is None
+    # one table per recorded step: steps 5..49 share step 5's (and the BlockMask built from it)
+    ctrl.step = 9
+    assert ctrl.cached_mask(1, "cpu") is t7 and ctrl._tables.keys() == {((5, 0, 1),)}
     # a capture stride of 2 records only even steps
     ctrl.sparse = SparseConfig(block=8, p=0.9, stride=2)
     assert [s for s in range(5) if (setattr(ctrl, "step", s) or ctrl.capturing(1))] == [0, 2, 4]

@@ -33,6 +33,7 @@ from .blockmask import (
 )
 from .kernels import (
     FLEX_BLOCK,
+    BlockTable,
     check_flex_against_sdpa,
     flex_block_mask,
     gather_tokens,
@@ -43,6 +44,7 @@ from .kernels import (
 __all__ = [
     "FLEX_BLOCK",
     "BlockMaskSet",
+    "BlockTable",
     "block_token_index",
     "check_flex_against_sdpa",
     "estimate_block_mass",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .blockmask import BlockMaskSet, estimate_block_mass, topp_block_mask
+from .kernels import BlockTable
 
 
 @dataclass
@@ -107,6 +108,8 @@ class AttentionController:
     amplify: Amplification | None = None
     lse_chunk: int = 1024
     _device_masks: dict | None = field(default=None, repr=False)
+    #: block tables of the recorded step now in use, by their mask keys (see :meth:`cached_mask`)
+    _tables: dict = field(default_factory=dict, repr=False)
 
     def reset(self) -> None:
         self.step, self.branches = 0, (0,)
@@ -117,6 +120,7 @@ class AttentionController:
         self.sparse = None
         self.masks = None
         self._device_masks = None
+        self._tables = {}
         self.window = None
         self.amplify = None
 
@@ -124,6 +128,7 @@ class AttentionController:
         """Apply ``masks`` from now on; with ``device``, copy them (packed) there now, else on first use."""
         self.masks = masks
         self._device_masks = None if masks is None or device is None else masks.to_device(device)
+        self._tables = {}
 
     def fit_rows(self, batch: int) -> None:
         """Match ``branches`` to a forward that carries fewer rows than announced: an intra-request FasterCache
@@ -155,17 +160,28 @@ class AttentionController:
         for b, br in enumerate(self.branches):
             self.captured.add(self.step, br, layer, mask[b])
 
-    def cached_mask(self, layer: int, device) -> torch.Tensor | None:
-        """The reuse plan's block mask for this forward, (B, H, nq, nk), or None to run dense."""
+    def cached_mask(self, layer: int, device) -> BlockTable | None:
+        """The reuse plan's block mask for this forward, a (B, H, nq, nk) :class:`BlockTable`, or None to run dense.
+
+        A recorded mask serves the steps up to the next recorded one: each table (and the FlexAttention
+        ``BlockMask`` built from it on first use) is kept while the forwards use masks recorded at the same
+        step, i.e. built once per (recorded step, branches, layer) instead of once per call. Kept on the
+        device: one step's tables, for Wan2.1-1.3B at 480p about 7 MB per (layer, branch) with the BlockMask.
+        """
         m = self.masks
         if m is None:
             return None
-        keys = [m.nearest(self.step, br, layer) for br in self.branches]
+        keys = tuple(m.nearest(self.step, br, layer) for br in self.branches)
         if any(k is None for k in keys):
             return None
-        if self._device_masks is None:
-            self._device_masks = m.to_device(device)
-        return torch.stack([m.unpack(self._device_masks[k]) for k in keys])
+        table = self._tables.get(keys)
+        if table is None:
+            if self._device_masks is None:
+                self._device_masks = m.to_device(device)
+            if any(k[0] != keys[0][0] for old in self._tables for k in old):
+                self._tables = {}  # a later recorded step: the earlier one's tables are done
+            table = self._tables[keys] = BlockTable(torch.stack([m.unpack(self._device_masks[k]) for k in keys]))
+        return table
 
     def cross_bias(self, kv_len: int, device, dtype) -> torch.Tensor | None:
         """Additive cross-attention logit bias (B, 1, 1, kv_len) of this forward (TGAA), or None.

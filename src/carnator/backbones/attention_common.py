@@ -119,7 +119,7 @@ def joint_attention(
             rows = []
             for b in range(qv.shape[0]):
                 ok = text_valid[b].reshape(-1)
-                rows.append(masked_attention(qv[b:b + 1], kv[b:b + 1], vv[b:b + 1], bm[b:b + 1], block=blk,
+                rows.append(masked_attention(qv[b:b + 1], kv[b:b + 1], vv[b:b + 1], bm.table[b:b + 1], block=blk,
                                              extra_k=kt[b:b + 1, :, ok], extra_v=vt[b:b + 1, :, ok]))
             out_v = torch.cat(rows)
         return out_v, out_t
@@ -131,7 +131,7 @@ def joint_attention(
         blk = ctrl.masks.block
         qi = torch.arange(qv.shape[2], device=qv.device) // blk
         ki = torch.arange(n_kv, device=qv.device) // blk
-        elem = bm[:, :, qi][..., ki]
+        elem = bm.table[:, :, qi][..., ki]
         allowed = joint(elem, elem.new_ones(*elem.shape[:-1], n_txt), -1)
         logit = logit.masked_fill(~allowed, float("-inf"))
     out_v = F.scaled_dot_product_attention(qv, k, v, attn_mask=logit)
