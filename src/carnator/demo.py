@@ -35,7 +35,7 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
 
     out.mkdir(parents=True, exist_ok=True)
     # The dense reference, measured like every request but after the one-time costs (model kernels,
-    # the recall embedder) are paid; the median of three (one run was seen 15 % off on the 2-core CPU);
+    # the recall embedder) are paid; the median of three (single runs were seen up to 40 % slow on the 2-core CPU);
     # seeds 0, 1000, 1001 are outside the stream and nothing is stored.
     first = STREAM[0][0]
     engine.generate(first, seed=0, policy="dense", num_inference_steps=2, store=False)
