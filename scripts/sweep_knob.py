@@ -36,7 +36,7 @@ def main() -> int:
 
     import diffusers
 
-    from carnator import Carnator
+    from carnator import Carnator, EngineConfig
     from carnator.calibration import QualityRule, make_pairs
     from carnator.attention.controller import SparseConfig
     from carnator.policies.carnator import CarnatorConfig, CarnatorPolicy
@@ -46,7 +46,8 @@ def main() -> int:
     diffusers.utils.logging.disable_progress_bar()
     values = [(int if args.knob == "resume_step" else float)(x) for x in args.values.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="sweep-resume-"))
-    eng = Carnator.from_pretrained("embedded", cache_dir=tmp / "cache", device="cpu")
+    # The resume-step sweep reuses one source at every value: keep every step of its trajectory.
+    eng = Carnator.from_pretrained("embedded", cache_dir=tmp / "cache", device="cpu", config=EngineConfig(capture_steps="all"))
     open_tau = tmp / "open.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=eng.model_identity)
     base = eng.policy("carnator").cfg

@@ -49,3 +49,24 @@ def test_chorus2_reuses_only_masks(tmp_path):
 
 def test_gate_threshold_is_shared_default():
     assert TextGate().min_similarity == 0.65
+
+
+@pytest.mark.parametrize("policy, opts, kept", [
+    ("dense", {}, set(range(10))),
+    ("nirvana", {}, {0, 1, 2, 3, 4}),                 # the table's 5, 10, ..., 25 of 50 -> 1, 2, 3, 4, 5 of 10, minus one
+    ("carnator", {"resume_step": 6}, {5, 6, 7, 8, 9}),  # resume at 6 reads traj.5 .. traj.9
+    ("chorus", {}, {2, 3, 4, 5, 6, 7}),               # stages (3, 8): traj.2 .. traj.7
+    ("chorus2", {}, set()),                           # masks only
+])
+def test_an_entry_keeps_the_latents_its_policy_can_resume_from(tmp_path, policy, opts, kept):
+    from carnator import EngineConfig
+
+    eng = Carnator(tiny_pipeline("wan"), tmp_path, embedder=bag_of_words_embedder(), config=EngineConfig(policy_options={policy: opts}))
+    r = eng.generate("a red ball on grass", seed=1, policy=policy, **dict(TINY_SETTINGS["wan"], num_inference_steps=10))
+    keys = eng.bank.load(r.stats.entry_id).keys()
+    assert {int(k[5:]) for k in keys if k.startswith("traj.")} == kept and "final" in keys
+    # "all" keeps every step whatever the policy
+    eng2 = Carnator(tiny_pipeline("wan"), tmp_path / "all", embedder=bag_of_words_embedder(),
+                    config=EngineConfig(capture_steps="all", policy_options={policy: opts}))
+    r2 = eng2.generate("a red ball on grass", seed=1, policy=policy, **dict(TINY_SETTINGS["wan"], num_inference_steps=10))
+    assert {k for k in eng2.bank.load(r2.stats.entry_id) if k.startswith("traj.")} == {f"traj.{i}" for i in range(10)}

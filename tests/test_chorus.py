@@ -134,13 +134,13 @@ def embedded_pipe(tmp_path_factory):
     return eng.pipe, eng.adapter
 
 
-def _engine(embedded_pipe, root, **opts):
+def _engine(embedded_pipe, root, capture_steps="auto", **opts):
     pipe, adapter = embedded_pipe
-    return Carnator(pipe, root, config=EngineConfig(policy_options={"chorus": opts}), embedder=hashed_embedder(64), adapter=adapter)
+    return Carnator(pipe, root, config=EngineConfig(policy_options={"chorus": opts}, capture_steps=capture_steps), embedder=hashed_embedder(64), adapter=adapter)
 
 
 def test_chorus_three_stages_on_the_embedded_model(embedded_pipe, tmp_path):
-    eng = _engine(embedded_pipe, tmp_path / "c")
+    eng = _engine(embedded_pipe, tmp_path / "c", capture_steps="all")  # stage 3's latents are compared below
     a = eng.generate(RED, seed=1, policy="chorus", num_inference_steps=STEPS)
     assert not a.stats.hit and a.stats.dit_forwards == 2 * STEPS
     ea = eng.bank.load(a.stats.entry_id)

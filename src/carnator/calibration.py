@@ -67,8 +67,12 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     open_tau = out_dir / "open_thresholds.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=engine.model_identity)
     base = engine.policy("carnator").cfg
-    forced = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), **({"resume_step": resume_step} if resume_step else {})}))
+    at = {"resume_step": resume_step} if resume_step else {}
+    forced = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), **at}))
     engine._policies["carnator-forced"] = forced
+    # The source runs carnator with the same resume step, so that its entry keeps the latents the reuse reads
+    # (EngineConfig.capture_steps="auto"); it is alone in its tenant, so always a miss.
+    engine._policies["carnator-source"] = CarnatorPolicy(CarnatorConfig(**{**vars(base), **at}))
     log_path = out_dir / "pairs.jsonl"
     done = {}
     if log_path.exists():
@@ -81,7 +85,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
             if i in done:
                 continue
             tenant = f"calib{i}"
-            engine.generate(src, seed=s_seed, policy="carnator", tenant=tenant, num_inference_steps=steps)
+            engine.generate(src, seed=s_seed, policy="carnator-source", tenant=tenant, num_inference_steps=steps)
             dense = engine.generate(tgt, seed=t_seed, policy="dense", tenant=tenant, num_inference_steps=steps, store=False)
             reuse = engine.generate(tgt, seed=t_seed, policy="carnator-forced", tenant=tenant, num_inference_steps=steps, store=False)
             jd, jr = judge(dense.frames, tgt), judge(reuse.frames, tgt)

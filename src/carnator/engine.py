@@ -17,7 +17,7 @@ import torch
 from . import denoise
 from .backbones.base import BackboneAdapter, Conditioning, adapter_for
 from .errors import CacheError, InvalidRequestError, ModelLoadError
-from .policies import Plan, get_policy_class, policy_names
+from .policies import Plan, Policy, get_policy_class, policy_names
 from .request import Request, Result, Stats, to_uint8
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ log = logging.getLogger("carnator")
 class EngineConfig:
     """Engine-wide settings.
 
-    capture_steps: which post-scheduler latents are stored with every entry ("all", "none", or a
+    capture_steps: which post-scheduler latents are stored with every entry ("auto": those the policy
+        that generated it can resume from, ``Policy.stored_steps``; "all", "none", or a
         list of step indices). Reuse needs the latents at the steps policies resume from.
     latent_dtype: dtype of stored latents (float16 halves the bytes; float32 keeps them exact).
     store_video: keep the decoded video with the entry, so an identical request is an exact hit.
@@ -40,7 +41,7 @@ class EngineConfig:
         pab, faster, taylorseer, mag (see :mod:`carnator.intra_cache` and docs/METHOD.md).
     """
 
-    capture_steps: str | list[int] = "all"
+    capture_steps: str | list[int] = "auto"
     latent_dtype: str = "float32"
     store_video: bool = True
     capacity_bytes: int | None = None
@@ -59,6 +60,8 @@ class RequestContext:
     state: denoise.DenoiseState
     compat_key: str
     timings: dict[str, float]
+    #: the steps whose post-scheduler latents this request keeps (for its cache entry)
+    capture: set[int] = field(default_factory=set)
     _embedding: np.ndarray | None = None
 
     @property
@@ -83,7 +86,7 @@ class RequestContext:
 
     def run_steps(self, stop: int, hooks: denoise.StepHooks | None = None) -> denoise.DenoiseState:
         """Advance this request's own trajectory (a probe): its steps count toward its latency."""
-        return denoise.run_steps(self.adapter, self.state, self.cond, self.request, stop, capture=self.engine._capture(self.state), hooks=hooks)
+        return denoise.run_steps(self.adapter, self.state, self.cond, self.request, stop, capture=self.capture, hooks=hooks)
 
 
 class Carnator:
@@ -170,7 +173,11 @@ class Carnator:
 
         return compat_key(self.cache_identity, self.adapter.scheduler_name(), req.settings())
 
-    def _capture(self, state: denoise.DenoiseState) -> set[int]:
+    def _capture(self, state: denoise.DenoiseState, pol: Policy, store: bool) -> set[int]:
+        if not store:
+            return set()
+        if self.config.capture_steps == "auto":
+            return pol.stored_steps(state.num_steps)
         return denoise.capture_set(self.config.capture_steps, state.num_steps)
 
     # ---- generation --------------------------------------------------------------------------
@@ -232,7 +239,8 @@ class Carnator:
         cond = self.adapter.encode(req)
         state = denoise.start(self.adapter, req)
         timings["encode"] = time.perf_counter() - t0
-        ctx = RequestContext(self, req, cond, state, self.compat_key(req), timings)
+        capture = self._capture(state, pol, store)
+        ctx = RequestContext(self, req, cond, state, self.compat_key(req), timings, capture)
 
         plan: Plan = pol.plan(ctx)  # may run a probe (advancing state) and records its own stage timings
         if plan.init_latents is not None:
@@ -248,7 +256,7 @@ class Carnator:
 
         dit_before = state.dit_seconds
         cb = (lambda i: progress(i + 1, state.num_steps)) if progress else None
-        denoise.run_steps(self.adapter, state, cond, req, capture=self._capture(state), hooks=plan.hooks, progress=cb)
+        denoise.run_steps(self.adapter, state, cond, req, capture=capture, hooks=plan.hooks, progress=cb)
         timings["dit"] = state.dit_seconds
         timings["dit_after_plan"] = state.dit_seconds - dit_before
         stats.dit_forwards = state.dit_forwards

@@ -50,6 +50,11 @@ class Policy(ABC):
         """Tensors recorded while the request ran (e.g. attention masks) to store with its entry."""
         return {}
 
+    def stored_steps(self, num_steps: int) -> set[int]:
+        """The post-scheduler latents (``traj.i``) this policy can resume from in a later request: what an
+        entry it stores keeps under ``EngineConfig.capture_steps="auto"``. Default: every step."""
+        return set(range(num_steps))
+
 
 _POLICIES: dict[str, type[Policy]] = {}
 

@@ -73,6 +73,10 @@ class NirvanaPolicy(Policy):
             return Plan()
         return Plan(hit=True, source_id=meta.id, resume_step=k, init_latents=tensors[f"traj.{k - 1}"], notes={"similarity": float(sim)})
 
+    def stored_steps(self, num_steps: int) -> set[int]:
+        # The latents after the table's steps (5, 10, 15, 20, 25 of 50, scaled): resuming at k reads traj.{k-1}.
+        return {max(1, round(k * num_steps / 50)) - 1 for _, k in NIRVANA_TABLE} & set(range(num_steps))
+
 
 @register_policy
 class Chorus2Policy(Policy):
@@ -111,3 +115,6 @@ class Chorus2Policy(Policy):
             return {}
         c = ctx.adapter.attention().captured
         return c.to_tensors(MASK_PREFIX) if c is not None else {}
+
+    def stored_steps(self, num_steps: int) -> set[int]:
+        return set()  # reuses only the source's masks, never its latents

@@ -234,6 +234,12 @@ class CarnatorPolicy(Policy):
             notes={"discrepancies": {k: (None if v is None else float(v)) for k, v in vars(d).items()}},
         )
 
+    def stored_steps(self, num_steps: int) -> set[int]:
+        # A reuse resumes at r = max(resume_step, probe_steps) and blends with the source's latents after
+        # every later step: traj.{r-1} .. traj.{n-1}.
+        r = max(self.cfg.resume_step, self.cfg.probe_steps)
+        return set(range(r - 1, num_steps))
+
     def entry_tensors(self, ctx) -> dict[str, torch.Tensor]:
         if not ctx.adapter.supports_attention:
             return {}

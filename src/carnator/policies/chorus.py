@@ -249,6 +249,12 @@ class ChorusPolicy(Policy):
         self.cfg = config or ChorusConfig(**overrides)
         self._warned = False
 
+    def stored_steps(self, num_steps: int) -> set[int]:
+        # Stage 2 resumes at r and blends with the source until s; with no regional difference the
+        # request resumes straight at min(s, n - 1).
+        r, s = self.cfg.stages(num_steps)
+        return (set(range(r - 1, s)) | {min(s, num_steps - 1) - 1}) & set(range(num_steps))
+
     def plan(self, ctx) -> Plan:
         ad = ctx.adapter
         if not ad.supports_attention:
