@@ -27,6 +27,10 @@ PROMPT = "a red ball rolls past a blue cube"
 TINY = ["--frames", "5", "--height", "16", "--width", "16", "--steps", "2", "--guidance", "5", "--device", "cpu", "--policy", "dense"]
 
 
+#: the real default (MiniLM), before the autouse fixture below swaps in the fake one
+REAL_DEFAULT_EMBEDDER = carnator.embed.default_embedder
+
+
 def fake_embedder(dim: int = 32) -> TextEmbedder:
     return hashed_embedder(dim)
 
@@ -299,3 +303,22 @@ def test_real_processes_with_default_embedder(model_dir, tmp_path):
     ls = subprocess.run([sys.executable, "-m", "carnator.cli", "cache", "ls", "--cache-dir", str(cache)],
                         capture_output=True, text=True, env=env, timeout=120, check=False)
     assert ls.returncode == 0 and summary["entry_id"] in ls.stdout
+
+
+@pytest.mark.slow
+def test_bench_jobs_runs_policies_in_processes_with_the_same_quality_and_hits(tmp_path, monkeypatch):
+    """``--jobs 2``: dense and nirvana in two processes over one folder; every quality and hit number equals a
+    one-process run's (the speed columns are measured under contention, so they are not compared)."""
+    # The worker processes load the real recall embedder; so must this process, or recall would differ.
+    monkeypatch.setattr(carnator.embed, "default_embedder", REAL_DEFAULT_EMBEDDER)
+    common = ["bench", "--warm", "2", "--test", "3", "--steps", "3", "--policies", "dense,nirvana", "--device", "cpu",
+              "--cache-dir", str(tmp_path / "c"), "--keep-clips", "0"]
+    assert main(common + ["--jobs", "2", "--out", str(tmp_path / "par")]) == 0
+    assert main(common + ["--out", str(tmp_path / "seq")]) == 0
+    par, seq = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("par", "seq"))
+    exact = ("hit_rate", "fidelity_all", "artifact_all", "fidelity_hits", "dense_fidelity_on_hits", "unsafe_hit_rate", "bytes_per_entry")
+    for pol in ("dense", "nirvana"):
+        assert {k: par["policies"][pol][k] for k in exact} == {k: seq["policies"][pol][k] for k in exact}
+    assert par["policies"]["nirvana"]["hit_rate"] > 0  # the re-rolls and rewordings of the trace hit
+    rows = [json.loads(line) for line in (tmp_path / "par" / "requests.jsonl").read_text().splitlines()]
+    assert sorted((r["policy"], r["i"]) for r in rows) == sorted((p, i) for p in ("dense", "nirvana") for i in range(3))

@@ -127,6 +127,24 @@ def test_report_rewritten_from_disk_and_markdown_unchanged(bench):
     assert md == to_markdown(rep) and "| nirvana | 67% |" in md
 
 
+def test_policies_run_apart_then_reported_together_give_the_same_report(bench, tmp_path, monkeypatch):
+    """``carnator bench --jobs``' bookkeeping: each worker runs one policy (dense too) into the shared folder,
+    with no report; the final run finds every row done and writes the same report as one process."""
+    out1, rep1 = bench
+    monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge", fake_judge)
+    trace = Trace.load(out1 / "trace.json")
+    out = tmp_path / "apart"
+    for pol in ("carnator", "dense", "nirvana"):  # any order
+        assert run_bench(FakeEngine, trace, [pol], out, keep_clips=2, progress=lambda *_: None, only=True, report=False) is None
+        assert not (out / "report.json").exists()
+    assert sorted(json.loads(line)["policy"] for line in (out / "requests.jsonl").read_text().splitlines()) == sorted(
+        ["carnator"] * 6 + ["dense"] * 6 + ["nirvana"] * 6)
+    said = []
+    rep = run_bench(FakeEngine, trace, ["dense", "nirvana", "carnator"], out, keep_clips=2, progress=said.append)
+    assert rep == rep1 and not [m for m in said if "hit=" in m]  # nothing generated again
+    assert (out / "report.md").read_text() == (out1 / "report.md").read_text()
+
+
 def test_no_clips_and_missing_values():
     rep = {"requests": 2, "delta_fidelity": 0.1, "delta_artifact": 0.02, "policies": {
         "dense": {k: None for k, _ in METRICS} | {"hit_rate": 0.0, "fidelity_all": 0.5, "artifact_all": 0.1},
@@ -155,6 +173,7 @@ def test_cli_report_only(bench, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("carnator: error: --report-only") and "report.json" in err[0]
     assert main(["bench", "--out", str(out), "--keep-clips", "-1"]) == 2
+    assert main(["bench", "--out", str(out), "--jobs", "0"]) == 2
 
 
 # ---- recall statistics ----------------------------------------------------------------------------

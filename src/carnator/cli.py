@@ -134,6 +134,8 @@ def cmd_bench(args) -> int:
 
     if args.keep_clips < 0:
         raise CarnatorError("--keep-clips must be 0 or more")
+    if args.jobs < 1:
+        raise CarnatorError("--jobs must be 1 or more")
     if args.report_only:
         out = Path(args.out)
         missing = [f for f in ("report.json", "requests.jsonl", "trace.json") if not (out / f).is_file()]
@@ -154,11 +156,40 @@ def cmd_bench(args) -> int:
         eng._embedder = base._embedder
         return eng
 
-    rep = run_bench(factory, world_trace(args.warm, args.test, seed=args.seed), policies, Path(args.out), steps=args.steps,
-                    keep_clips=args.keep_clips)
+    trace = world_trace(args.warm, args.test, seed=args.seed)
+    if args.jobs > 1 and not args.worker:
+        # Each policy in its own process (dense too); the workers append to one requests.jsonl, and the
+        # run below finds every row done and only writes the report.
+        import multiprocessing as mp
+
+        import torch
+
+        order = ["dense"] + [p for p in policies if p != "dense"]
+        threads = torch.get_num_threads()
+        with mp.get_context("spawn").Pool(min(args.jobs, len(order))) as pool:
+            pool.map(_bench_worker, [(vars(args), p, threads) for p in order])
+    rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
+                    only=args.worker, report=not args.worker)
+    if rep is None:
+        return 0
     print(to_markdown(rep))
     print(f"report: {Path(args.out) / 'report.html'}")
     return 0
+
+
+def _bench_worker(job: tuple[dict, str, int]) -> None:
+    """One policy of ``carnator bench --jobs N``, in its own process, with the parent's torch thread count (CPU
+    results depend on it in the last bits, and the report must not depend on --jobs)."""
+    import argparse
+
+    import torch
+
+    opts, policy, threads = job
+    torch.set_num_threads(threads)
+    args = argparse.Namespace(**{**opts, "policies": policy, "worker": True, "jobs": 1})
+    code = cmd_bench(args)
+    if code:
+        raise CarnatorError(f"bench worker for {policy} exited with {code}")
 
 
 def cmd_bench_scale(args) -> int:
@@ -310,6 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep GIF clips of dense and every policy for the first N hits of each policy, shown side by side "
                         "in report.html (default 4; 0: none)")
     b.add_argument("--report-only", action="store_true", help="only rewrite report.html from the finished run in --out")
+    b.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run the policies in N processes at once (each loads the model; on a GPU the small embedded model "
+                        "leaves room for several). Hits and quality equal a one-process run's; the speed columns are then "
+                        "measured while the policies share the machine, so take speed from a --jobs 1 run")
+    b.set_defaults(worker=False)
     _add_intra_cache_arg(b)
     b.set_defaults(func=cmd_bench)
 

@@ -5,6 +5,11 @@ quality (judge fidelity, artifact) on all requests and on hits; unsafe-hit rate 
 fidelity falls below dense's by more than Delta, or artifact rises by more than Delta'); cache
 bytes per entry. Results are appended per request to a JSONL file so an interrupted run resumes.
 
+Policies can run in parallel processes over one ``out`` (``carnator bench --jobs N``): each worker runs
+``run_bench(..., [policy], only=True, report=False)``, appending its rows to the shared requests.jsonl
+(one ``write`` per line in append mode), and a last ``run_bench`` over every policy finds all rows done and
+writes the report.
+
 Outputs in ``out``: trace.json, requests.jsonl, report.json, report.md and report.html (see
 :mod:`carnator.bench.report`). With ``keep_clips=N`` every test request's clip is written as a
 small GIF under ``clips/<policy>/`` while the run goes on; at the end only the clips of the first
@@ -27,7 +32,10 @@ __all__ = ["run_bench", "summarize", "thumbnail", "to_markdown"]
 
 
 def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, steps: int | None = None,
-              delta_fidelity: float = 0.1, delta_artifact: float = 0.02, keep_clips: int = 0, progress=print) -> dict:
+              delta_fidelity: float = 0.1, delta_artifact: float = 0.02, keep_clips: int = 0, progress=print,
+              only: bool = False, report: bool = True) -> dict | None:
+    """Run ``policies`` (dense first, always included unless ``only``) and, with ``report``, summarize and write
+    the report; without ``report`` (a worker of a parallel run) return None once the rows are written."""
     from ..video import write_video
     from ..world.judge import judge
 
@@ -39,7 +47,7 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
         for line in log_path.read_text().splitlines():
             r = json.loads(line)
             done[(r["policy"], r["i"])] = r
-    order = ["dense"] + [p for p in policies if p != "dense"]
+    order = list(dict.fromkeys(policies)) if only else ["dense"] + [p for p in policies if p != "dense"]
     with open(log_path, "a") as log:
         for pol in order:
             cache = out / "caches" / pol
@@ -72,14 +80,16 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 progress(f"[{pol}] {i + 1}/{len(trace.test)} {r.kind:9s} hit={s.hit} e2e={row['e2e']:.2f}s fid={j.fidelity:.2f}")
             st = eng.bank.stats()
             done[(pol, "bytes")] = {"bytes_per_entry": st.bytes / max(st.count, 1)}
-    report = summarize(done, order, len(trace.test), delta_fidelity, delta_artifact)
+    if not report:
+        return None
+    rep = summarize(done, order, len(trace.test), delta_fidelity, delta_artifact)
     rows = [done[(pol, i)] for pol in order for i in range(len(trace.test))]
     if keep_clips > 0:
         prune_clips(out, rows, order, keep_clips)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text(to_markdown(report))
-    write_html(out, report, rows, [r.prompt for r in trace.test])
-    return report
+    (out / "report.json").write_text(json.dumps(rep, indent=1))
+    (out / "report.md").write_text(to_markdown(rep))
+    write_html(out, rep, rows, [r.prompt for r in trace.test])
+    return rep
 
 
 def thumbnail(frames: np.ndarray, max_side: int = 128, max_frames: int = 32) -> np.ndarray:

@@ -10,6 +10,7 @@ VidProM note in shared/data/README.md); the unrelated share keeps misses in the 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,7 +35,11 @@ class Trace:
     test: list[TraceRequest]
 
     def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps({"warm": [asdict(r) for r in self.warm], "test": [asdict(r) for r in self.test]}, indent=1))
+        """Write atomically (a temporary file renamed over ``path``): parallel bench workers save the same trace."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"warm": [asdict(r) for r in self.warm], "test": [asdict(r) for r in self.test]}, indent=1))
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: Path) -> Trace:
