@@ -144,3 +144,12 @@ def test_a_reused_video_is_an_exact_hit_for_carnator_but_not_for_dense(tmp_path)
     # and a dense video of an identical request is served to dense
     dense2 = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS, policy="dense")
     assert dense2.stats.exact_hit and dense2.stats.source_id == dense.stats.entry_id
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_a_schedule_no_longer_than_the_probe_runs_dense(tmp_path, steps):
+    eng = make_engine(tmp_path, OPEN)
+    r = eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=steps)
+    d = eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=steps, policy="dense", store=False)
+    assert not r.stats.hit and r.stats.notes["fallback"] == "dense" and r.stats.dit_forwards == 2 * steps
+    assert (r.frames == d.frames).all()

@@ -322,3 +322,15 @@ def test_bench_jobs_runs_policies_in_processes_with_the_same_quality_and_hits(tm
     assert par["policies"]["nirvana"]["hit_rate"] > 0  # the re-rolls and rewordings of the trace hit
     rows = [json.loads(line) for line in (tmp_path / "par" / "requests.jsonl").read_text().splitlines()]
     assert sorted((r["policy"], r["i"]) for r in rows) == sorted((p, i) for p in ("dense", "nirvana") for i in range(3))
+
+
+def test_bench_latent_dtype_is_the_stored_latents_dtype(tmp_path):
+    from carnator.cache import CacheBank
+
+    out = tmp_path / "b"
+    assert main(["bench", "--warm", "1", "--test", "1", "--steps", "2", "--policies", "dense,nirvana", "--device", "cpu",
+                 "--cache-dir", str(tmp_path / "c"), "--keep-clips", "0", "--latent-dtype", "float16", "--out", str(out)]) == 0
+    bank = CacheBank(out / "caches" / "nirvana")
+    entry = bank.load(bank.entries()[0].id)
+    assert entry["final"].dtype == torch.float16 and any(k.startswith("traj.") for k in entry)
+    assert all(entry[k].dtype == torch.float16 for k in entry if k.startswith("traj."))

@@ -137,6 +137,8 @@ class CarnatorPolicy(Policy):
                 log.warning("carnator's attention processors are not yet available for %s: generating densely", ad.family)
                 self._warned = True
             return Plan(hit=False, notes={"fallback": "dense"})
+        if ctx.state.num_steps <= cfg.probe_steps:  # no step left after the probe: nothing to read or to reuse
+            return Plan(hit=False, notes={"fallback": "dense", "reason": f"{ctx.state.num_steps} steps <= the {cfg.probe_steps}-step probe"})
         ctrl = ad.attention()
         n_tokens = int(np.prod(ad.token_grid(req)))
         # Small token counts (the embedded model: 512) get blocks of N/16 so a mask has 16 x 16 blocks.
