@@ -426,3 +426,16 @@ def test_an_attention_plan_left_by_one_engine_never_reaches_another_on_the_same_
     assert (masked - plain).abs().max() > 1e-3
     second = Carnator(pipe, tmp_path / "b", embedder=fake_embedder())  # a new adapter on the same transformer
     assert float(np.abs(gen(second, store=False).video - ref_video).max()) <= 1e-6
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"capture_steps": "some"}, '"auto", "all", "none"'),
+    ({"capture_steps": [1, "2"]}, "must hold ints"),
+    ({"latent_dtype": "int8"}, "latent_dtype"),
+])
+def test_a_bad_engine_config_is_a_clear_error(kw, words):
+    from carnator.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(**kw)
+    EngineConfig(capture_steps=[0, 4], latent_dtype="float16")  # valid ones pass

@@ -49,6 +49,16 @@ class EngineConfig:
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     intra_cache: str | dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        cs = self.capture_steps
+        if isinstance(cs, str):
+            if cs not in ("auto", "all", "none"):
+                raise ValueError(f'EngineConfig.capture_steps must be "auto", "all", "none" or a list of step indices, got {cs!r}')
+        elif not all(isinstance(i, int) and not isinstance(i, bool) for i in cs):
+            raise ValueError(f"EngineConfig.capture_steps: a list of step indices must hold ints, got {list(cs)!r}")
+        if self.latent_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f'EngineConfig.latent_dtype must be "float32", "float16" or "bfloat16", got {self.latent_dtype!r}')
+
 
 @dataclass
 class RequestContext:
