@@ -75,6 +75,21 @@ class WindowPlan:
     active: torch.Tensor
     context: torch.Tensor
 
+    @classmethod
+    def over(cls, window: tuple[float, float], num_layers: int, active, context) -> "WindowPlan | None":
+        """The plan for the layer fraction ``window`` of ``num_layers`` and the bool token masks ``active`` and
+        ``context`` (any shape, raster order), or None where it would restrict nothing: no layer in the window,
+        no Active token, or every token Active (the gather/scatter would then copy every token for nothing,
+        and the layers run in full instead, block-sparse where masks apply)."""
+        import numpy as np
+
+        lo, hi = round(window[0] * num_layers), round(window[1] * num_layers)
+        a = np.asarray(active, dtype=bool).reshape(-1)
+        if hi <= lo or not a.any() or a.all():
+            return None
+        c = np.asarray(context, dtype=bool).reshape(-1)
+        return cls(range(lo, hi), torch.from_numpy(np.flatnonzero(a)), torch.from_numpy(np.flatnonzero(c)))
+
 
 @dataclass
 class Amplification:
@@ -110,6 +125,7 @@ class AttentionController:
     _device_masks: dict | None = field(default=None, repr=False)
     #: block tables of the recorded step now in use, by their mask keys (see :meth:`cached_mask`)
     _tables: dict = field(default_factory=dict, repr=False)
+    _tables_step: int | None = field(default=None, repr=False)
 
     def reset(self) -> None:
         self.step, self.branches = 0, (0,)
@@ -178,8 +194,8 @@ class AttentionController:
         if table is None:
             if self._device_masks is None:
                 self._device_masks = m.to_device(device)
-            if any(k[0] != keys[0][0] for old in self._tables for k in old):
-                self._tables = {}  # a later recorded step: the earlier one's tables are done
+            if keys[0][0] != self._tables_step:  # a later recorded step: the earlier one's tables are done
+                self._tables, self._tables_step = {}, keys[0][0]
             table = self._tables[keys] = BlockTable(torch.stack([m.unpack(self._device_masks[k]) for k in keys]))
         return table
 

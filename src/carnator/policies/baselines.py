@@ -41,11 +41,16 @@ class TextGate:
 NIRVANA_TABLE: tuple[tuple[float, int], ...] = ((0.95, 25), (0.90, 20), (0.85, 15), (0.75, 10), (0.65, 5))
 
 
+def _nirvana_step(k: int, num_steps: int) -> int:
+    """A table step (given for 50 steps) scaled to ``num_steps``."""
+    return max(1, round(k * num_steps / 50))
+
+
 def nirvana_resume_step(similarity: float, num_steps: int) -> int | None:
     """NIRVANA's similarity-to-resume-step table (given for 50 steps), scaled to ``num_steps``."""
     for thr, k in NIRVANA_TABLE:
         if similarity > thr:
-            return max(1, round(k * num_steps / 50))
+            return _nirvana_step(k, num_steps)
     return None
 
 
@@ -75,7 +80,7 @@ class NirvanaPolicy(Policy):
 
     def stored_steps(self, num_steps: int) -> set[int]:
         # The latents after the table's steps (5, 10, 15, 20, 25 of 50, scaled): resuming at k reads traj.{k-1}.
-        return {max(1, round(k * num_steps / 50)) - 1 for _, k in NIRVANA_TABLE} & set(range(num_steps))
+        return {_nirvana_step(k, num_steps) - 1 for _, k in NIRVANA_TABLE} & set(range(num_steps))
 
 
 @register_policy

@@ -180,7 +180,7 @@ class CarnatorPolicy(Policy):
     def _reuse_plan(self, ctx, won, regions) -> Plan | None:
         cfg, ad, req, st = self.cfg, ctx.adapter, ctx.request, ctx.state
         meta, diff, d = won
-        r = max(cfg.resume_step, cfg.probe_steps)
+        r = self.resume_at()
         n = st.num_steps
         if r >= n:
             return None
@@ -213,14 +213,7 @@ class CarnatorPolicy(Policy):
             return W * state.latents + (1 - W) * z_c
 
         ctrl = ad.attention()
-        L = ad.num_layers()
-        lo, hi = int(round(cfg.window[0] * L)), int(round(cfg.window[1] * L))
-        active = torch.from_numpy(np.flatnonzero(scope.active.reshape(-1)))
-        context = torch.from_numpy(np.flatnonzero(scope.context.reshape(-1)))
-        # An Active region that covers every token restricts nothing: no window (its gather/scatter would
-        # copy every token for nothing), so every layer runs in full, block-sparse where masks apply.
-        partial = 0 < len(active) < scope.active.size
-        ctrl.window = WindowPlan(range(lo, hi), active, context) if hi > lo and partial else None
+        ctrl.window = WindowPlan.over(cfg.window, ad.num_layers(), scope.active, scope.context)
         density = None
         if cfg.reuse_masks:
             try:
@@ -236,11 +229,13 @@ class CarnatorPolicy(Policy):
             notes={"discrepancies": {k: (None if v is None else float(v)) for k, v in vars(d).items()}},
         )
 
+    def resume_at(self) -> int:
+        """The step a reuse resumes at: the resume step, never inside the probe."""
+        return max(self.cfg.resume_step, self.cfg.probe_steps)
+
     def stored_steps(self, num_steps: int) -> set[int]:
-        # A reuse resumes at r = max(resume_step, probe_steps) and blends with the source's latents after
-        # every later step: traj.{r-1} .. traj.{n-1}.
-        r = max(self.cfg.resume_step, self.cfg.probe_steps)
-        return set(range(r - 1, num_steps))
+        # A reuse resumes at r and blends with the source's latents after every later step: traj.{r-1} .. traj.{n-1}.
+        return set(range(self.resume_at() - 1, num_steps))
 
     def entry_tensors(self, ctx) -> dict[str, torch.Tensor]:
         if not ctx.adapter.supports_attention:

@@ -328,14 +328,7 @@ class ChorusPolicy(Policy):
         ctx.run_steps(r + 1, hooks=StepHooks(after_step=region_and_blend))
         ctrl.record_step = None
         scope, W = scope_box["scope"], scope_box["W"]
-        L = ad.num_layers()
-        lo, hi = round(cfg.window[0] * L), round(cfg.window[1] * L)
-        window = None
-        if hi > lo and scope.active.any() and not scope.active.all():
-            active = torch.from_numpy(np.flatnonzero(scope.active.reshape(-1)))
-            context = torch.from_numpy(np.flatnonzero(scope.context.reshape(-1)))
-            window = WindowPlan(range(lo, hi), active, context)
-        ctrl.window = window
+        ctrl.window = WindowPlan.over(cfg.window, ad.num_layers(), scope.active, scope.context)
         tm["region"] = time.perf_counter() - t0
 
         def before_predict(i: int, state) -> None:
