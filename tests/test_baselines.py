@@ -70,3 +70,27 @@ def test_an_entry_keeps_the_latents_its_policy_can_resume_from(tmp_path, policy,
                     config=EngineConfig(capture_steps="all", policy_options={policy: opts}))
     r2 = eng2.generate("a red ball on grass", seed=1, policy=policy, **dict(TINY_SETTINGS["wan"], num_inference_steps=10))
     assert {k for k in eng2.bank.load(r2.stats.entry_id) if k.startswith("traj.")} == {f"traj.{i}" for i in range(10)}
+
+
+@pytest.mark.parametrize("policy", ["nirvana", "chorus", "chorus2", "carnator"])
+def test_reuse_false_fills_the_cache_with_a_miss_that_stores_what_a_first_miss_stores(tmp_path, policy):
+    """``generate(reuse=False)`` (how bench fills its warm cache): a re-roll, which would reuse the first entry,
+    runs as a miss instead - dense's frames - and stores the same tensors the first miss stored."""
+    import numpy as np
+
+    eng = _engine(tmp_path)
+    st = dict(TINY_SETTINGS["wan"], num_inference_steps=8)
+    first = eng.generate("a red ball on grass", seed=1, policy=policy, **st)
+    again = eng.generate("a red ball on grass", seed=2, policy=policy, reuse=False, **st)
+    assert not first.stats.hit and not again.stats.hit
+    assert again.stats.dit_forwards == 2 * 8 and again.stats.entry_id not in (None, first.stats.entry_id)
+    assert sorted(eng.bank.load(first.stats.entry_id)) == sorted(eng.bank.load(again.stats.entry_id))
+    dense = eng.generate("a red ball on grass", seed=2, policy="dense", store=False, **st)
+    np.testing.assert_array_equal(again.frames, dense.frames)
+    # with reuse (the default) the same re-roll is served from the cache (carnator: its random-weight signatures
+    # fail the thresholds, but the entries are recalled; reuse=False recalled none)
+    third = eng.generate("a red ball on grass", seed=3, policy=policy, **st)
+    assert third.stats.notes["candidates"] == 2 and again.stats.notes["candidates"] == 0 if policy == "carnator" else third.stats.hit
+    # and an exact repeat is not served from the exact tier either
+    exact = eng.generate("a red ball on grass", seed=2, policy=policy, reuse=False, **st)
+    assert not exact.stats.exact_hit and exact.stats.dit_forwards == 2 * 8

@@ -307,13 +307,14 @@ def test_real_processes_with_default_embedder(model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_bench_jobs_runs_policies_in_processes_with_the_same_quality_and_hits(tmp_path, monkeypatch):
-    """``--jobs 2``: dense and nirvana in two processes over one folder; every quality and hit number equals a
-    one-process run's (the speed columns are measured under contention, so they are not compared)."""
+    """``--jobs 3``: nirvana's warm fill in three processes, then its test stream in one and dense's in two, over one
+    folder; every quality and hit number equals a one-process run's (the speed columns are measured under
+    contention, so they are not compared)."""
     # The worker processes load the real recall embedder; so must this process, or recall would differ.
     monkeypatch.setattr(carnator.embed, "default_embedder", REAL_DEFAULT_EMBEDDER)
-    common = ["bench", "--warm", "2", "--test", "3", "--steps", "3", "--policies", "dense,nirvana", "--device", "cpu",
+    common = ["bench", "--warm", "4", "--test", "3", "--steps", "3", "--policies", "dense,nirvana", "--device", "cpu",
               "--cache-dir", str(tmp_path / "c"), "--keep-clips", "0"]
-    assert main(common + ["--jobs", "2", "--out", str(tmp_path / "par")]) == 0
+    assert main(common + ["--jobs", "3", "--out", str(tmp_path / "par")]) == 0
     assert main(common + ["--out", str(tmp_path / "seq")]) == 0
     par, seq = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("par", "seq"))
     exact = ("hit_rate", "fidelity_all", "artifact_all", "fidelity_hits", "dense_fidelity_on_hits", "unsafe_hit_rate", "bytes_per_entry")

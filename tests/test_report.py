@@ -41,11 +41,24 @@ HITS = {"nirvana": {1, 2, 4, 5}, "carnator": {3}, "dense": set()}
 
 
 class FakeEngine:
+    #: per cache directory, the (prompt, seed) of every request stored in it; and every generate call made
+    stored: dict[Path, set] = {}
+    calls: list[tuple] = []
+
     def __init__(self, cache_dir: Path):
         cache_dir.mkdir(parents=True, exist_ok=True)
-        self.bank = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2))
+        self.dir = cache_dir
+        kept = self.stored.setdefault(cache_dir, set())
+        self.cache_identity = "fake"
+        self.adapter = SimpleNamespace(resolve=lambda prompt, seed, **_: SimpleNamespace(
+            tenant="default", exact_key=lambda ident: (prompt, seed)))
+        self.bank = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2),
+                                    lookup_exact=lambda tenant, key: key if key in kept else None)
 
-    def generate(self, prompt, *, seed, policy, num_inference_steps=None, store=True):
+    def generate(self, prompt, *, seed, policy, num_inference_steps=None, store=True, reuse=True):
+        self.calls.append((policy, prompt, seed, reuse))
+        if store:
+            self.stored[self.dir].add((prompt, seed))
         i = TEST_PROMPTS.index(prompt) if prompt in TEST_PROMPTS else None
         hit = i is not None and i in HITS[policy]
         frames = np.zeros((4, 8, 8, 3), np.uint8)
@@ -69,6 +82,26 @@ def bench(tmp_path, monkeypatch):
     out = tmp_path / "bench"
     rep = run_bench(FakeEngine, trace, ["dense", "nirvana", "carnator"], out, keep_clips=2, progress=lambda *_: None)
     return out, rep
+
+
+def test_warm_fill_is_misses_and_resumes_after_an_interruption(tmp_path, monkeypatch):
+    """Warm requests run with reuse=False (misses that store), the test stream with reuse; a fill cut short resumes
+    without generating again what it stored; shards fill disjoint parts; dense has no warm cache."""
+    monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge", fake_judge)
+    warm = [TraceRequest(f"warm {k}", k, "warm") for k in range(5)]
+    trace = Trace(warm, [TraceRequest(TEST_PROMPTS[0], 10, "noun")])
+    out = tmp_path / "b"
+    FakeEngine.calls.clear()
+    run_bench(FakeEngine, trace, ["nirvana"], out, only=True, report=False, warm_shard=(1, 2), progress=lambda *_: None)
+    assert FakeEngine.calls == [("nirvana", "warm 1", 1, False), ("nirvana", "warm 3", 3, False)]
+    assert not (out / "caches" / "nirvana" / ".warm").exists() and not (out / "requests.jsonl").read_text()
+
+    FakeEngine.calls.clear()
+    run_bench(FakeEngine, trace, ["dense", "nirvana"], out, progress=lambda *_: None)
+    assert FakeEngine.calls == [("dense", TEST_PROMPTS[0], 10, True),
+                                ("nirvana", "warm 0", 0, False), ("nirvana", "warm 2", 2, False), ("nirvana", "warm 4", 4, False),
+                                ("nirvana", TEST_PROMPTS[0], 10, True)]
+    assert (out / "caches" / "nirvana" / ".warm").exists()
 
 
 def _table(page: str, table_id: str) -> str:

@@ -158,18 +158,27 @@ def cmd_bench(args) -> int:
 
     trace = world_trace(args.warm, args.test, seed=args.seed)
     if args.jobs > 1 and not args.worker:
-        # Each policy in its own process (dense too); the workers append to one requests.jsonl, and the
-        # run below finds every row done and only writes the report.
+        # Phase 1: the warm caches, several workers per policy (fills are independent). Phase 2: each policy's test
+        # stream in one worker (its requests depend on what its earlier ones stored), dense's split over the
+        # workers left. The workers append to one requests.jsonl; the run below finds every row done and only
+        # writes the report.
         import multiprocessing as mp
 
         import torch
 
         order = ["dense"] + [p for p in policies if p != "dense"]
+        stores = order[1:]
         threads = torch.get_num_threads()
-        with mp.get_context("spawn").Pool(min(args.jobs, len(order))) as pool:
-            pool.map(_bench_worker, [(vars(args), p, threads) for p in order])
+        opts = vars(args)
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            if stores:
+                n = max(1, args.jobs // len(stores))
+                pool.map(_bench_worker, [(opts, p, threads, {"warm_shard": (k, n)}) for p in stores for k in range(n)])
+            m = max(1, args.jobs - len(stores))
+            jobs = [(opts, p, threads, {}) for p in stores] + [(opts, "dense", threads, {"test_shard": (k, m)}) for k in range(m)]
+            pool.map(_bench_worker, jobs, chunksize=1)
     rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
-                    only=args.worker, report=not args.worker)
+                    only=args.worker, report=not args.worker, **getattr(args, "shard", {}))
     if rep is None:
         return 0
     print(to_markdown(rep))
@@ -177,16 +186,17 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _bench_worker(job: tuple[dict, str, int]) -> None:
-    """One policy of ``carnator bench --jobs N``, in its own process, with the parent's torch thread count (CPU
-    results depend on it in the last bits, and the report must not depend on --jobs)."""
+def _bench_worker(job: tuple[dict, str, int, dict]) -> None:
+    """One part of ``carnator bench --jobs N`` (a policy's warm-fill shard, its test stream, or a shard of dense's),
+    in its own process, with the parent's torch thread count (CPU results depend on it in the last bits, and the
+    report must not depend on --jobs)."""
     import argparse
 
     import torch
 
-    opts, policy, threads = job
+    opts, policy, threads, shard = job
     torch.set_num_threads(threads)
-    args = argparse.Namespace(**{**opts, "policies": policy, "worker": True, "jobs": 1})
+    args = argparse.Namespace(**{**opts, "policies": policy, "worker": True, "jobs": 1, "shard": shard})
     code = cmd_bench(args)
     if code:
         raise CarnatorError(f"bench worker for {policy} exited with {code}")

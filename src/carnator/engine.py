@@ -72,6 +72,8 @@ class RequestContext:
     timings: dict[str, float]
     #: the steps whose post-scheduler latents this request keeps (for its cache entry)
     capture: set[int] = field(default_factory=set)
+    #: False: plan a miss whatever the cache holds (``generate(..., reuse=False)``, e.g. to fill a cache)
+    reuse: bool = True
     _embedding: np.ndarray | None = None
 
     @property
@@ -93,6 +95,13 @@ class RequestContext:
                 )
             self._embedding = emb
         return self._embedding
+
+    def recall(self, k: int) -> list:
+        """The ``k`` cached entries nearest this request by recall embedding, within its tenant and compatibility
+        key, nearest first; none when this request must not reuse."""
+        if not self.reuse:
+            return []
+        return self.bank.recall(self.request.tenant, self.compat_key, self.embedding(), k=k)
 
     def run_steps(self, stop: int, hooks: denoise.StepHooks | None = None) -> denoise.DenoiseState:
         """Advance this request's own trajectory (a probe): its steps count toward its latency."""
@@ -205,10 +214,13 @@ class Carnator:
         guidance_scale: float | None = None,
         tenant: str = "default",
         store: bool = True,
+        reuse: bool = True,
         progress: Callable[[int, int], None] | None = None,
     ) -> Result:
         """Generate one video; reuse cached work where ``policy`` finds it safe.
 
+        ``reuse=False`` generates it as a miss (no exact or approximate reuse) that still records and, with
+        ``store``, stores what ``policy`` keeps for later requests: how a cache is filled with completed requests.
         Returns a :class:`Result` with ``frames`` (uint8, T x H x W x 3) and ``stats``.
         """
         t_start = time.perf_counter()
@@ -223,7 +235,7 @@ class Carnator:
         # Exact tier: an identical request returns the stored video without denoising.
         exact_key = req.exact_key(self.cache_identity)
         t0 = time.perf_counter()
-        hit = self.bank.lookup_exact(req.tenant, exact_key)
+        hit = self.bank.lookup_exact(req.tenant, exact_key) if reuse else None
         if hit is not None and hit.extra.get("approximate") and not pol.accepts_approximate_exact:
             hit = None
         if hit is not None:
@@ -250,7 +262,7 @@ class Carnator:
         state = denoise.start(self.adapter, req)
         timings["encode"] = time.perf_counter() - t0
         capture = self._capture(state, pol, store)
-        ctx = RequestContext(self, req, cond, state, self.compat_key(req), timings, capture)
+        ctx = RequestContext(self, req, cond, state, self.compat_key(req), timings, capture, reuse=reuse)
 
         plan: Plan = pol.plan(ctx)  # may run a probe (advancing state) and records its own stage timings
         if plan.init_latents is not None:

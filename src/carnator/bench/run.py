@@ -5,10 +5,16 @@ quality (judge fidelity, artifact) on all requests and on hits; unsafe-hit rate 
 fidelity falls below dense's by more than Delta, or artifact rises by more than Delta'); cache
 bytes per entry. Results are appended per request to a JSONL file so an interrupted run resumes.
 
-Policies can run in parallel processes over one ``out`` (``carnator bench --jobs N``): each worker runs
-``run_bench(..., [policy], only=True, report=False)``, appending its rows to the shared requests.jsonl
-(one ``write`` per line in append mode), and a last ``run_bench`` over every policy finds all rows done and
-writes the report.
+The warm cache of each policy is the trace's W warm requests generated as misses (dense, recording what the
+policy stores), so every policy's test stream starts from the same completed requests, as in the paper's
+protocol (1,000 cached + 300 test requests).
+
+Policies can run in parallel processes over one ``out`` (``carnator bench --jobs N``): first the warm caches are
+filled by workers running ``run_bench(..., [policy], warm_shard=(k, n), only=True, report=False)``, several
+per policy (the fills are independent); then each policy's test stream runs in one worker (its requests
+depend on the entries its earlier ones stored) and dense's in several (``test_shard``), all appending rows to
+the shared requests.jsonl (one ``write`` per line in append mode); a last ``run_bench`` over every policy finds
+all rows done and writes the report.
 
 Outputs in ``out``: trace.json, requests.jsonl, report.json, report.md and report.html (see
 :mod:`carnator.bench.report`). With ``keep_clips=N`` every test request's clip is written as a
@@ -33,9 +39,16 @@ __all__ = ["run_bench", "summarize", "thumbnail", "to_markdown"]
 
 def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, steps: int | None = None,
               delta_fidelity: float = 0.1, delta_artifact: float = 0.02, keep_clips: int = 0, progress=print,
-              only: bool = False, report: bool = True) -> dict | None:
+              only: bool = False, report: bool = True, warm_shard: tuple[int, int] | None = None,
+              test_shard: tuple[int, int] | None = None) -> dict | None:
     """Run ``policies`` (dense first, always included unless ``only``) and, with ``report``, summarize and write
-    the report; without ``report`` (a worker of a parallel run) return None once the rows are written."""
+    the report; without ``report`` (a worker of a parallel run) return None once the rows are written.
+
+    The warm cache: every warm request generated as a miss (``reuse=False``: dense, recording and storing what the
+    policy keeps), so each policy starts its test stream from the same W completed requests. Requests already in
+    the cache are skipped (an interrupted fill resumes); ``warm_shard=(k, n)`` fills only requests k, k + n, ...
+    and returns (parallel fills of one cache). ``test_shard=(k, n)`` runs only test requests k, k + n, ... of
+    policies that store nothing (dense), whose rows do not depend on each other."""
     from ..video import write_video
     from ..world.judge import judge
 
@@ -51,18 +64,28 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
     with open(log_path, "a") as log:
         for pol in order:
             cache = out / "caches" / pol
-            if not any(k[0] == pol for k in done) and cache.exists():
-                shutil.rmtree(cache)  # a policy starts from its own fresh warm cache
+            started = cache / ".test-started"
+            if not any(k[0] == pol for k in done) and started.exists():
+                shutil.rmtree(cache)  # test-stream entries of a run whose rows were lost: start again from nothing
             eng = engine_factory(cache)
             if pol != "dense" and not (cache / ".warm").exists():
-                # Warm phase: the same W requests through the policy itself (misses run dense and
-                # store what the policy records), then the fixed test order.
-                for k, r in enumerate(trace.warm):
-                    eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps)
-                    progress(f"[{pol}] warm {k + 1}/{len(trace.warm)}")
+                k0, n = warm_shard or (0, 1)
+                todo = trace.warm[k0::n]
+                for k, r in enumerate(todo):
+                    req = eng.adapter.resolve(r.prompt, seed=r.seed, num_inference_steps=steps)
+                    if eng.bank.lookup_exact(req.tenant, req.exact_key(eng.cache_identity)) is None:
+                        eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, reuse=False)
+                    progress(f"[{pol}] warm {k + 1}/{len(todo)}" + (f" (shard {k0 + 1} of {n})" if n > 1 else ""))
+                if warm_shard is not None:
+                    continue
                 (cache / ".warm").write_text("ok")
+            if warm_shard is not None:
+                continue
+            if pol != "dense":
+                started.write_text("ok")
+            k0, n = test_shard if test_shard is not None and pol == "dense" else (0, 1)
             for i, r in enumerate(trace.test):
-                if (pol, i) in done:
+                if (pol, i) in done or i % n != k0:
                     continue
                 res = eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, store=pol != "dense")
                 j = judge(res.frames, r.prompt)

@@ -32,7 +32,7 @@ class TextGate:
     min_similarity: float = 0.65
 
     def nearest(self, ctx):
-        hits = ctx.bank.recall(ctx.request.tenant, ctx.compat_key, ctx.embedding(), k=1)
+        hits = ctx.recall(1)
         if not hits or hits[0][1] < self.min_similarity:
             return None
         return hits[0]

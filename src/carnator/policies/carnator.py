@@ -79,8 +79,7 @@ class CarnatorPolicy(Policy):
     # ---- the stages -------------------------------------------------------------------------------
     def recall(self, ctx, nouns: list[str]):
         """Top-K by recall embedding within the request's key and tenant, then the noun filter."""
-        req = ctx.request
-        hits = ctx.bank.recall(req.tenant, ctx.compat_key, ctx.embedding(), k=self.cfg.top_k)
+        hits = ctx.recall(self.cfg.top_k)
         out = []
         for meta, score in hits:
             diff = noun_diff(nouns, meta.extra.get("nouns", []))
