@@ -307,7 +307,7 @@ def test_real_processes_with_default_embedder(model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_bench_jobs_runs_policies_in_processes_with_the_same_quality_and_hits(tmp_path, monkeypatch):
-    """``--jobs 3``: nirvana's warm fill in three processes, then its test stream in one and dense's in two, over one
+    """``--jobs 3``: nirvana's warm fill in three processes, then its test stream and dense's in one each, over one
     folder; every quality and hit number equals a one-process run's (the speed columns are measured under
     contention, so they are not compared)."""
     # The worker processes load the real recall embedder; so must this process, or recall would differ.

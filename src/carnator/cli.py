@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from .errors import CarnatorError
@@ -159,9 +160,9 @@ def cmd_bench(args) -> int:
     trace = world_trace(args.warm, args.test, seed=args.seed)
     if args.jobs > 1 and not args.worker:
         # Phase 1: the warm caches, several workers per policy (fills are independent). Phase 2: each policy's test
-        # stream in one worker (its requests depend on what its earlier ones stored), dense's split over the
-        # workers left. The workers append to one requests.jsonl; the run below finds every row done and only
-        # writes the report.
+        # stream in one worker (its requests depend on what its earlier ones stored; dense's too, so every stream
+        # runs under the same contention and their speeds compare). The workers append to one requests.jsonl; the
+        # run below finds every row done and only writes the report.
         import multiprocessing as mp
 
         import torch
@@ -171,12 +172,15 @@ def cmd_bench(args) -> int:
         threads = torch.get_num_threads()
         opts = vars(args)
         with mp.get_context("spawn").Pool(args.jobs) as pool:
+            t0 = time.perf_counter()
             if stores:
                 n = max(1, args.jobs // len(stores))
-                pool.map(_bench_worker, [(opts, p, threads, {"warm_shard": (k, n)}) for p in stores for k in range(n)])
-            m = max(1, args.jobs - len(stores))
-            jobs = [(opts, p, threads, {}) for p in stores] + [(opts, "dense", threads, {"test_shard": (k, m)}) for k in range(m)]
-            pool.map(_bench_worker, jobs, chunksize=1)
+                pool.map(_bench_worker, [(opts, p, threads, {"warm_shard": (k, n)}) for p in stores for k in range(n)], chunksize=1)
+                print(f"warm caches filled in {time.perf_counter() - t0:.0f} s ({len(stores)} x {args.warm} requests, {n} workers each)",
+                      flush=True)
+            t0 = time.perf_counter()
+            pool.map(_bench_worker, [(opts, p, threads, {}) for p in order], chunksize=1)
+            print(f"test streams run in {time.perf_counter() - t0:.0f} s", flush=True)
     rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
                     only=args.worker, report=not args.worker, **getattr(args, "shard", {}))
     if rep is None:
@@ -187,7 +191,7 @@ def cmd_bench(args) -> int:
 
 
 def _bench_worker(job: tuple[dict, str, int, dict]) -> None:
-    """One part of ``carnator bench --jobs N`` (a policy's warm-fill shard, its test stream, or a shard of dense's),
+    """One part of ``carnator bench --jobs N`` (a shard of a policy's warm fill, or its test stream),
     in its own process, with the parent's torch thread count (CPU results depend on it in the last bits, and the
     report must not depend on --jobs)."""
     import argparse

@@ -12,8 +12,8 @@ protocol (1,000 cached + 300 test requests).
 Policies can run in parallel processes over one ``out`` (``carnator bench --jobs N``): first the warm caches are
 filled by workers running ``run_bench(..., [policy], warm_shard=(k, n), only=True, report=False)``, several
 per policy (the fills are independent); then each policy's test stream runs in one worker (its requests
-depend on the entries its earlier ones stored) and dense's in several (``test_shard``), all appending rows to
-the shared requests.jsonl (one ``write`` per line in append mode); a last ``run_bench`` over every policy finds
+depend on the entries its earlier ones stored; dense's too, so all streams share the machine alike), all
+appending rows to the shared requests.jsonl (one ``write`` per line in append mode); a last ``run_bench`` over every policy finds
 all rows done and writes the report.
 
 Outputs in ``out``: trace.json, requests.jsonl, report.json, report.md and report.html (see
@@ -39,16 +39,14 @@ __all__ = ["run_bench", "summarize", "thumbnail", "to_markdown"]
 
 def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, steps: int | None = None,
               delta_fidelity: float = 0.1, delta_artifact: float = 0.02, keep_clips: int = 0, progress=print,
-              only: bool = False, report: bool = True, warm_shard: tuple[int, int] | None = None,
-              test_shard: tuple[int, int] | None = None) -> dict | None:
+              only: bool = False, report: bool = True, warm_shard: tuple[int, int] | None = None) -> dict | None:
     """Run ``policies`` (dense first, always included unless ``only``) and, with ``report``, summarize and write
     the report; without ``report`` (a worker of a parallel run) return None once the rows are written.
 
     The warm cache: every warm request generated as a miss (``reuse=False``: dense, recording and storing what the
     policy keeps), so each policy starts its test stream from the same W completed requests. Requests already in
     the cache are skipped (an interrupted fill resumes); ``warm_shard=(k, n)`` fills only requests k, k + n, ...
-    and returns (parallel fills of one cache). ``test_shard=(k, n)`` runs only test requests k, k + n, ... of
-    policies that store nothing (dense), whose rows do not depend on each other."""
+    and returns (parallel fills of one cache)."""
     from ..video import write_video
     from ..world.judge import judge
 
@@ -83,9 +81,8 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 continue
             if pol != "dense":
                 started.write_text("ok")
-            k0, n = test_shard if test_shard is not None and pol == "dense" else (0, 1)
             for i, r in enumerate(trace.test):
-                if (pol, i) in done or i % n != k0:
+                if (pol, i) in done:
                     continue
                 res = eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, store=pol != "dense")
                 j = judge(res.frames, r.prompt)

@@ -1,0 +1,37 @@
+#!/bin/bash
+# The embedded-world protocol (carnator bench) on the lent H200 within one device call, keeping what a cut leaves.
+#
+#   bash scripts/device_bench.sh OUT SECONDS POLICIES W S JOBS
+#
+# Runs `carnator bench --warm W --test S --policies POLICIES --jobs JOBS --device cuda --latent-dtype float16`
+# for at most SECONDS, then copies into OUT: requests.jsonl and trace.json (always: a run cut short still has
+# every policy's rows for a prefix of the fixed test order), report.json/.md/.html (when it finished), each
+# policy's cache size (caches.json) and the gzipped log. Assumes the carnator package importable (PYTHONPATH).
+set -u
+out=$1; budget=$2; policies=$3; W=$4; S=$5; jobs=$6
+work=/tmp/carnator-bench
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # JOBS workers share the CPU: one thread each
+t0=$(date +%s)
+timeout -k 10 "$budget" python3 -c 'import sys; from carnator.cli import main; sys.exit(main())' bench \
+  --warm "$W" --test "$S" --policies "$policies" --jobs "$jobs" --device cuda --latent-dtype float16 \
+  --keep-clips 4 --out "$work" > "$work.log" 2>&1
+rc=$?
+pkill -9 -f "carnator.cli" 2>/dev/null
+echo "bench rc $rc after $(( $(date +%s) - t0 )) s"
+grep -E "warm caches filled|test streams run" "$work.log"
+tail -20 "$work.log"
+mkdir -p "$out"
+cp "$work/requests.jsonl" "$work/trace.json" "$out/" 2>/dev/null
+for f in report.json report.md report.html; do [ -f "$work/$f" ] && cp "$work/$f" "$out/"; done
+python3 - "$work" "$out/caches.json" <<'PY'
+import json, sys
+from pathlib import Path
+from carnator.cache import CacheBank
+res = {}
+for d in sorted((Path(sys.argv[1]) / "caches").glob("*")):
+    st = CacheBank(d).stats()
+    res[d.name] = {"entries": st.count, "bytes": st.bytes, "warm_done": (d / ".warm").exists()}
+Path(sys.argv[2]).write_text(json.dumps(res, indent=1))
+print(res)
+PY
+gzip -c "$work.log" > "$out/log.gz"
