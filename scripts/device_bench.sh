@@ -10,6 +10,8 @@
 set -u
 out=$1; budget=$2; policies=$3; W=$4; S=$5; jobs=$6
 work=/tmp/carnator-bench
+# A machine held warm between calls keeps /tmp: a cache filled for another trace would pollute this run's.
+rm -rf "$work" "$work.log"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # JOBS workers share the CPU: one thread each
 t0=$(date +%s)
 timeout -k 10 "$budget" python3 -c 'import sys; from carnator.cli import main; sys.exit(main())' bench \
