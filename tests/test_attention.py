@@ -218,6 +218,20 @@ def test_block_mask_set_round_trip_dedup_and_storage():
     assert torch.equal(BlockMaskSet.from_tensors(plain.to_tensors()).get(2, 0, 0), a)
 
 
+def test_masks_added_between_reads_keep_their_order_and_replacements():
+    """add() packs without reading back; the rows reach the host at the next read, in the order added."""
+    a, b, c = (_random_masks(2, 4, 4, k) for k in (1, 2, 3))
+    s = BlockMaskSet.empty(2, 32, 32, 8)
+    s.add(0, 0, 0, a)
+    s.add(0, 0, 0, b)  # replaces a before any read
+    s.add(5, 0, 0, c)
+    assert s.nearest(4, 0, 0) == (0, 0, 0) and torch.equal(s.get(0, 0, 0), b)
+    s.add(5, 0, 0, a)  # replaces c after a read
+    assert torch.equal(s.get(5, 0, 0), a) and len(s) == 2
+    assert s.density == pytest.approx((b.sum() + a.sum()).item() / (2 * 2 * 4 * 4))
+    assert s.meta()["unique_head_masks"] == len({bytes(pack_bits(m).tolist()) for m in [*a, *b, *c]})
+
+
 def test_empty_block_mask_set_round_trip():
     s = BlockMaskSet.empty(2, 16, 16, 8)
     back = BlockMaskSet.from_tensors(s.to_tensors())

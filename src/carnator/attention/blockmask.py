@@ -300,6 +300,7 @@ class BlockMaskSet:
     _index: dict[MaskKey, list[int]] = field(default_factory=dict, repr=False)
     _ones: dict[MaskKey, int] = field(default_factory=dict, repr=False)  # set bits per key
     _steps_of: dict[tuple[int, int], list[int]] | None = field(default=None, repr=False)  # (branch, layer) -> steps
+    _pending: list[tuple[MaskKey, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)  # added, not yet on the host
 
     FORMAT = 1
 
@@ -314,30 +315,44 @@ class BlockMaskSet:
         return (self.num_heads, self.nq, self.nk)
 
     def add(self, step: int, branch: int, layer: int, mask: torch.Tensor) -> None:
-        """Store ``mask (H, nq, nk)`` bool for (step, branch, layer), replacing any earlier one."""
+        """Store ``mask (H, nq, nk)`` bool for (step, branch, layer), replacing any earlier one.
+
+        Packs on the mask's device and does not wait for it: the packed rows reach the host (and are
+        deduplicated) together at the first read, one transfer per request instead of one per (step, branch,
+        layer), each of which would wait for the GPU."""
         if tuple(mask.shape) != self.mask_shape:
             raise ValueError(f"mask must have shape {self.mask_shape}, got {tuple(mask.shape)}")
         key = (int(step), int(branch), int(layer))
         m = mask.detach().bool()
-        packed = _pack_rows(m.reshape(self.num_heads, -1)).cpu()
-        rows = []
-        for head in packed:
-            if self.dedup:
-                digest = hashlib.blake2b(head.numpy().tobytes(), digest_size=16).digest()
-                row = self._row_of_digest.get(digest)
-                if row is None:
-                    row = self._row_of_digest[digest] = len(self._rows)
-                    self._rows.append(head.clone())
-            else:
-                row = len(self._rows)
-                self._rows.append(head.clone())
-            rows.append(row)
-        self._index[key] = rows
-        self._ones[key] = int(m.sum())
+        self._pending.append((key, _pack_rows(m.reshape(self.num_heads, -1)), m.sum()))
         self._steps_of = None
+
+    def _settle(self) -> None:
+        """Bring the masks :meth:`add` left on their device to the host, deduplicating their head rows."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        packed_all = torch.stack([p for _, p, _ in pending]).cpu()
+        ones_all = torch.stack([n for _, _, n in pending]).cpu().tolist()
+        for (key, _, _), packed, ones in zip(pending, packed_all, ones_all):
+            rows = []
+            for head in packed:
+                if self.dedup:
+                    digest = hashlib.blake2b(head.numpy().tobytes(), digest_size=16).digest()
+                    row = self._row_of_digest.get(digest)
+                    if row is None:
+                        row = self._row_of_digest[digest] = len(self._rows)
+                        self._rows.append(head.clone())
+                else:
+                    row = len(self._rows)
+                    self._rows.append(head.clone())
+                rows.append(row)
+            self._index[key] = rows
+            self._ones[key] = int(ones)
 
     def get(self, step: int, branch: int, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
         """The ``(H, nq, nk)`` bool mask of (step, branch, layer); KeyError if it was not recorded."""
+        self._settle()
         rows = self._index[(int(step), int(branch), int(layer))]
         packed = torch.stack([self._rows[r] for r in rows])
         if device is not None:
@@ -349,6 +364,7 @@ class BlockMaskSet:
 
         Masks recorded every few steps (``SparseConfig.stride``) serve the steps in between.
         """
+        self._settle()
         if self._steps_of is None:
             by: dict[tuple[int, int], list[int]] = {}
             for s, b, ly in self._index:
@@ -366,6 +382,7 @@ class BlockMaskSet:
         Unpack one with :meth:`unpack` where it is used (cheap on the device; keeps device memory at
         the packed size, 1/8 of the bool masks).
         """
+        self._settle()
         if not self._rows:
             return {}
         rows = torch.stack(self._rows).to(device)
@@ -376,13 +393,16 @@ class BlockMaskSet:
         return _unpack_rows(packed, self.nq * self.nk).view(self.mask_shape)
 
     def __contains__(self, key: object) -> bool:
+        self._settle()
         return key in self._index
 
     def __len__(self) -> int:
+        self._settle()
         return len(self._index)
 
     def keys(self) -> Iterator[MaskKey]:
         """The recorded (step, branch, layer) keys, sorted."""
+        self._settle()
         return iter(sorted(self._index))
 
     @property
@@ -393,6 +413,7 @@ class BlockMaskSet:
     @property
     def density(self) -> float:
         """Fraction of allowed (query block, key block) pairs over all recorded masks (0 if empty)."""
+        self._settle()
         total = len(self._index) * self.num_heads * self.nq * self.nk
         return sum(self._ones.values()) / total if total else 0.0
 
@@ -400,6 +421,7 @@ class BlockMaskSet:
         """Flat dict for safetensors: ``{prefix}packed`` uint8 (U, bytes), ``{prefix}index`` int32
         (K, H), ``{prefix}keys`` int32 (K, 3) sorted (step, branch, layer), ``{prefix}geometry``
         int64 [format, H, q_len, kv_len, block, dedup]."""
+        self._settle()
         keys = sorted(self._index)
         nbytes = -(-self.nq * self.nk // 8)
         packed = torch.stack(self._rows) if self._rows else torch.zeros(0, nbytes, dtype=torch.uint8)
@@ -436,6 +458,7 @@ class BlockMaskSet:
 
     def meta(self) -> dict[str, object]:
         """Small JSON-able summary (geometry, counts, density, bytes) for an entry's metadata."""
+        self._settle()
         return {
             "format": self.FORMAT,
             "num_heads": self.num_heads,
