@@ -324,7 +324,8 @@ def test_a_block_table_builds_its_flex_mask_once_and_answers_as_the_bare_tensor(
         built = table.flex(8, 45, 45)
         second = masked_attention(q * 2, k, v, table, 8, backend="flex")
         sdpa = masked_attention(q, k, v, table, 8, backend="sdpa")
-    assert torch.equal(first, ref) and torch.equal(sdpa, masked_attention(q, k, v, bm, 8, backend="sdpa"))
+    assert torch.equal(first, ref)
+    torch.testing.assert_close(sdpa, masked_attention(q, k, v, bm, 8, backend="sdpa"), rtol=1e-6, atol=1e-6)
     assert table.flex(8, 45, 45) is built and len(table._flex) == 1          # built once, reused
     assert torch.equal(built.to_dense().bool(), bm)
     assert not torch.equal(second, first)                                   # same mask, new queries
@@ -334,6 +335,26 @@ def test_a_block_table_builds_its_flex_mask_once_and_answers_as_the_bare_tensor(
         warnings.simplefilter("ignore")
         out = masked_attention(q, k, v, one, 8, backend="flex")
     assert torch.equal(out, masked_attention(q, k, v, bm[:1, :1].expand(2, 2, 6, 6), 8, backend="flex")) and not one._flex
+
+
+def test_a_block_table_keeps_the_sdpa_element_mask_and_answers_as_the_bare_tensor():
+    """CPU path: the table keeps its additive element mask (built once), with keyless rows still zero."""
+    q, k, v = (_randn(2, 3, 45, 8, seed=s, dtype=torch.float32) for s in (41, 42, 43))
+    bm = _random_block_mask(2, 3, 6, 6, seed=44)
+    bm[0, 1, 2] = False  # a query block with no key block: its rows output zeros
+    table = BlockTable(bm)
+    ref = masked_attention(q, k, v, bm, 8, backend="sdpa")
+    first = masked_attention(q, k, v, table, 8, backend="sdpa")
+    kept = dict(table._elements)
+    second = masked_attention(q * 2, k, v, table, 8, backend="sdpa")
+    assert len(kept) == 1 and all(table._elements[key][0] is m[0] for key, m in kept.items())  # built once, reused
+    torch.testing.assert_close(first, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(second, masked_attention(q * 2, k, v, bm, 8, backend="sdpa"), rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(first[0, 1, 16:24]) == 0 and torch.count_nonzero(first[0, 0, 16:24]) > 0
+    # one chunk per call only: a call split in chunks keeps nothing
+    chunked = BlockTable(bm)
+    torch.testing.assert_close(masked_attention(q, k, v, chunked, 8, backend="sdpa", chunk=16), ref, rtol=1e-6, atol=1e-6)
+    assert not chunked._elements
 
 
 # ---------------------------------------------------------------- restriction and token helpers
