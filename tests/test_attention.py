@@ -351,6 +351,11 @@ def test_a_block_table_keeps_the_sdpa_element_mask_and_answers_as_the_bare_tenso
     torch.testing.assert_close(first, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(second, masked_attention(q * 2, k, v, bm, 8, backend="sdpa"), rtol=1e-6, atol=1e-6)
     assert torch.count_nonzero(first[0, 1, 16:24]) == 0 and torch.count_nonzero(first[0, 0, 16:24]) > 0
+    # with extra keys (joint text-video attention) the table keeps that call's mask too, apart from the plain one
+    ek, ev = (_randn(2, 3, 5, 8, seed=s, dtype=torch.float32) for s in (45, 46))
+    joint = masked_attention(q, k, v, table, 8, backend="sdpa", extra_k=ek, extra_v=ev)
+    torch.testing.assert_close(joint, masked_attention(q, k, v, bm, 8, backend="sdpa", extra_k=ek, extra_v=ev), rtol=1e-6, atol=1e-6)
+    assert len(table._elements) == 2 and torch.count_nonzero(joint[0, 1, 16:24]) > 0  # the extra keys serve keyless rows
     # one chunk per call only: a call split in chunks keeps nothing
     chunked = BlockTable(bm)
     torch.testing.assert_close(masked_attention(q, k, v, chunked, 8, backend="sdpa", chunk=16), ref, rtol=1e-6, atol=1e-6)

@@ -178,14 +178,13 @@ def masked_attention(
         backend = "flex" if (q.is_cuda and block % FLEX_BLOCK == 0) else "sdpa"
     if backend not in ("flex", "sdpa"):
         raise ValueError(f"unknown backend {backend!r}")
-    flex_mask = None
-    if backend == "flex" and prepared is not None and tuple(table.shape) == tuple(bm.shape) and table.device == q.device:
-        flex_mask = prepared.flex(block, nq_tok, nk_tok)
+    # The table's kept masks serve only a call of its own batch, heads and device (else bm was broadcast or moved).
+    keep = prepared if prepared is not None and tuple(table.shape) == tuple(bm.shape) and table.device == q.device else None
+    flex_mask = keep.flex(block, nq_tok, nk_tok) if backend == "flex" and keep is not None else None
     if extra_k is not None:
-        return _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v, flex_mask)
+        return _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v, flex_mask, keep)
     if backend == "flex":
         return _flex_attention(q, k, v, bm, block, scale, mask=flex_mask)
-    keep = prepared if prepared is not None and tuple(table.shape) == tuple(bm.shape) and table.device == q.device else None
     return _sdpa_masked(q, k, v, bm, block, scale, chunk, prepared=keep)
 
 
@@ -232,10 +231,11 @@ def _sdpa_masked(q, k, v, bm, block, scale, chunk, n_extra: int = 0, prepared: B
     return out
 
 
-def _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v, flex_mask=None) -> torch.Tensor:
+def _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v, flex_mask=None, prepared=None) -> torch.Tensor:
     """Masked attention over k, v plus dense attention over extra_k, extra_v, in one softmax."""
     if backend == "sdpa":
-        return _sdpa_masked(q, torch.cat([k, extra_k], dim=2), torch.cat([v, extra_v], dim=2), bm, block, scale, chunk, extra_k.shape[2])
+        return _sdpa_masked(q, torch.cat([k, extra_k], dim=2), torch.cat([v, extra_v], dim=2), bm, block, scale, chunk,
+                            extra_k.shape[2], prepared=prepared)
     # flex: the two parts separately, merged by their row log-sum-exps (a keyless masked row has lse -inf)
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
