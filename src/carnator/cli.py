@@ -182,7 +182,7 @@ def cmd_bench(args) -> int:
             pool.map(_bench_worker, [(opts, p, threads, {}) for p in order], chunksize=1)
             print(f"test streams run in {time.perf_counter() - t0:.0f} s", flush=True)
     rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
-                    only=args.worker, report=not args.worker, **getattr(args, "shard", {}))
+                    only=args.worker, report=not args.worker, **args.shard)
     if rep is None:
         return 0
     print(to_markdown(rep))
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured while the policies share the machine, so take speed from a --jobs 1 run")
     b.add_argument("--latent-dtype", choices=["float32", "float16"], default=None,
                    help="dtype of the latents stored with every entry (default float32; float16 halves the cache, e.g. for W = 1000)")
-    b.set_defaults(worker=False)
+    b.set_defaults(worker=False, shard={})  # set by _bench_worker only
     _add_intra_cache_arg(b)
     b.set_defaults(func=cmd_bench)
 

@@ -190,45 +190,44 @@ def masked_attention(
 
 def _sdpa_masked(q, k, v, bm, block, scale, chunk, n_extra: int = 0, prepared: BlockTable | None = None) -> torch.Tensor:
     # With n_extra > 0, the last n_extra keys of k, v are attended by every query. ``prepared``: the BlockTable
-    # that bm came from, which keeps the element mask when one chunk covers every query row.
+    # that bm came from; it keeps the (additive) element mask when one chunk covers every query row.
     b, h, nq_tok, _ = q.shape
     nk_tok = k.shape[2] - n_extra
     if chunk is None:
         chunk = max(1, _ELEMENTS_PER_CHUNK // max(1, b * h * (nk_tok + n_extra)))
-    row_has_key = None
+    kept = prepared is not None and chunk >= nq_tok and b * h * nq_tok * (nk_tok + n_extra) <= _KEPT_ELEMENTS
     out = q.new_empty(b, h, nq_tok, v.shape[-1])
     for start in range(0, nq_tok, chunk):
         stop = min(start + chunk, nq_tok)
-
-        def build(start=start, stop=stop):
-            # Element mask of query rows start..stop: the block rows repeated block times (repeat_interleave is
-            # ~40x faster on the CPU than gathering with a token -> block index), cut to the chunk and to Nk.
-            nonlocal row_has_key
-            if row_has_key is None:
-                row_has_key = bm.any(dim=-1) | (n_extra > 0)  # (B, H, nq)
-            b0, b1 = start // block, (stop - 1) // block + 1
-            mask = bm[:, :, b0:b1].repeat_interleave(block, dim=-2)[:, :, start - b0 * block: stop - b0 * block]
-            mask = mask.repeat_interleave(block, dim=-1)[..., :nk_tok]
-            has = row_has_key[:, :, b0:b1].repeat_interleave(block, dim=-1)[:, :, start - b0 * block: stop - b0 * block, None]
-            keyless = not bool(has.all())
-            if keyless:
-                mask = mask | ~has  # keyless rows: any finite values, zeroed below
-            if n_extra:
-                mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], n_extra)], dim=-1)
-            return mask, has, keyless
-
-        if prepared is not None and start == 0 and stop == nq_tok and b * h * nq_tok * (nk_tok + n_extra) <= _KEPT_ELEMENTS:
-
-            def additive(build=build):  # SDPA on the CPU runs ~20 % faster with a float mask than with a bool one
-                mask, has, keyless = build()
-                return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf")), has, keyless
-
-            mask, has, keyless = prepared.elements((block, nq_tok, nk_tok, n_extra, q.dtype), additive)
+        if kept:  # SDPA on the CPU runs ~20 % faster with a float mask than with a bool one
+            mask, has, keyless = prepared.elements((block, nq_tok, nk_tok, n_extra, q.dtype),
+                                                   lambda: _additive(*_element_mask(bm, block, 0, nq_tok, nk_tok, n_extra), q))
         else:
-            mask, has, keyless = build()
+            mask, has, keyless = _element_mask(bm, block, start, stop, nk_tok, n_extra)
         o = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale)
         out[:, :, start:stop] = o.masked_fill(~has, 0) if keyless else o
     return out
+
+
+def _element_mask(bm, block, start, stop, nk_tok, n_extra):
+    """``(mask, has, keyless)`` of query rows start..stop: the bool element mask (the block rows repeated block
+    times - repeat_interleave is ~40x faster on the CPU than gathering with a token -> block index - cut to the
+    rows and to Nk, then ``n_extra`` always-allowed keys), whether each row has a key, and whether any has none."""
+    b0, b1 = start // block, (stop - 1) // block + 1
+    rows, cut = bm[:, :, b0:b1], slice(start - b0 * block, stop - b0 * block)
+    mask = rows.repeat_interleave(block, dim=-2)[:, :, cut].repeat_interleave(block, dim=-1)[..., :nk_tok]
+    has = (rows.any(dim=-1) | (n_extra > 0)).repeat_interleave(block, dim=-1)[:, :, cut, None]
+    keyless = not bool(has.all())
+    if keyless:
+        mask = mask | ~has  # keyless rows: any finite values, zeroed by the caller
+    if n_extra:
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], n_extra)], dim=-1)
+    return mask, has, keyless
+
+
+def _additive(mask, has, keyless, q):
+    """The bool element mask as an additive one of q's dtype and device (0 allowed, -inf not)."""
+    return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf")), has, keyless
 
 
 def _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v, flex_mask=None, prepared=None) -> torch.Tensor:

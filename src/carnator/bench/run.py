@@ -74,9 +74,8 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                     if eng.bank.lookup_exact(req.tenant, req.exact_key(eng.cache_identity)) is None:
                         eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, reuse=False)
                     progress(f"[{pol}] warm {k + 1}/{len(todo)}" + (f" (shard {k0 + 1} of {n})" if n > 1 else ""))
-                if warm_shard is not None:
-                    continue
-                (cache / ".warm").write_text("ok")
+                if warm_shard is None:
+                    (cache / ".warm").write_text("ok")
             if warm_shard is not None:
                 continue
             if pol != "dense":
