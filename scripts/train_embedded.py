@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from carnator.embedded import EmbeddedConfig, EmbeddedPipeline, save_pipeline
-from carnator.world.captions import caption, vocabulary
+from carnator.world.captions import PLACE, caption, vocabulary, word_roles
 from carnator.world.render import render
 from carnator.world.scene import sample_scenes
 
@@ -48,6 +48,13 @@ class Pool:
         # Where the objects are (dilated by 2 px, so a shape drawn too big is caught too): the loss's
         # foreground weight. One bit per pixel and frame.
         self.fg = torch.zeros((n, cfg.frames, cfg.size, cfg.size), dtype=torch.bool, device=dev)
+        # Grounding targets: per token, the share of its pixels covered by object 0, object 1 and the
+        # place (background); per caption word, which of the three it describes (-1: a filler).
+        pt, ph, pw = cfg.patch_size
+        self.kernel = (pt, ph * cfg.codec_factor, pw * cfg.codec_factor)
+        grid = (cfg.frames // pt, cfg.size // self.kernel[1], cfg.size // self.kernel[2])
+        self.tok = torch.zeros((n, 3, *grid), dtype=torch.float16, device=dev)
+        self.roles = torch.full((n, captions_per_clip, cfg.max_words), -1, dtype=torch.int8, device=dev)
         self.cursor = 0
         self.refresh(n)
 
@@ -58,13 +65,22 @@ class Pool:
             scenes = sample_scenes(m, self.rng, split="train")
             caps = [caption(s, self.rng, split="train") for s in scenes for _ in range(self.k)]
             ids, _ = self.pipe.tokenizer(caps)
+            roles = torch.full((len(caps), cfg.max_words), -1, dtype=torch.int8)
+            for i, c in enumerate(caps):   # our captions have no unknown words: word j is token j
+                r = [2 if x == PLACE else x for x in word_roles(c)][: cfg.max_words]
+                roles[i, : len(r)] = torch.tensor(r, dtype=torch.int8)
             sl = slice(self.cursor, self.cursor + m)
             with torch.no_grad():
                 r = render(scenes, cfg.frames, cfg.size, device=self.dev, generator=self.gen)
                 self.video[sl] = (r.video * 255).round().to(torch.uint8)
                 fg = r.masks.any(1).float()                                           # (m, T, H, W)
                 self.fg[sl] = torch.nn.functional.max_pool2d(fg.flatten(0, 1)[:, None], 5, 1, 2).view_as(fg) > 0
+                objs = torch.zeros((m, 2, *r.masks.shape[2:]), device=self.dev)
+                objs[:, : r.masks.shape[1]] = r.masks.float()
+                cover = torch.cat([objs, (1 - objs.sum(1, keepdim=True)).clamp_min(0)], 1)
+                self.tok[sl] = torch.nn.functional.avg_pool3d(cover, self.kernel).half()
             self.ids[sl] = ids.view(m, self.k, -1).to(self.dev)
+            self.roles[sl] = roles.view(m, self.k, -1).to(self.dev)
             self.cursor = (self.cursor + m) % self.n
             count -= m
 
@@ -75,7 +91,40 @@ class Pool:
         ids = self.ids[idx, which]
         keep = torch.rand(bsz, device=self.dev, generator=self.gen) >= drop   # caption dropout (for CFG)
         ids = ids * keep[:, None]
-        return video, ids, ids != 0, self.fg[idx]
+        roles = torch.where(keep[:, None], self.roles[idx, which].long(), -1)
+        return video, ids, ids != 0, self.fg[idx], self.tok[idx].flatten(2).float(), roles
+
+
+class GroundedCrossAttention:
+    """Wan's cross-attention computed with explicit probabilities (the text is short), which it keeps
+    for the grounding loss: ``probs`` collects one (B, visual tokens, words) head-mean map per call."""
+
+    def __init__(self, probs: list):
+        self.probs = probs
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        q = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        k = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        p = torch.softmax((q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5, dim=-1)
+        self.probs.append(p.mean(1))
+        out = (p.to(v.dtype) @ v).transpose(1, 2).flatten(2).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def grounding_loss(maps: list[torch.Tensor], cover: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
+    """TokenCompose's token loss (Wang et al., CVPR 2024) on each kept cross-attention map: for every
+    word that describes an object (or the place), (1 - share of its attention mass on that object's
+    tokens)^2, token shares weighted by pixel coverage. maps: (B, N, L); cover: (B, 3, N); roles: (B, L)."""
+    valid = roles >= 0
+    target = torch.gather(cover, 1, roles.clamp_min(0)[:, :, None].expand(-1, -1, cover.shape[2]))   # (B, L, N)
+    valid = valid & (target.sum(-1) > 0)
+    total = 0.0
+    for a in maps:
+        a = a.float().transpose(1, 2)                                            # (B, L, N)
+        share = (a * target).sum(-1) / a.sum(-1).clamp_min(1e-6)
+        total = total + (((1 - share) ** 2) * valid).sum() / valid.sum().clamp_min(1)
+    return total / len(maps)
 
 
 def shifted(s: torch.Tensor, shift: float) -> torch.Tensor:
@@ -103,6 +152,9 @@ def main() -> int:
                          "'x0' = ||x0_hat - x0||^2 (relatively more weight on high noise, where shape and motion are decided)")
     ap.add_argument("--fg-weight", type=float, default=1.0,
                     help="loss weight of object pixels (dilated 2 px) relative to background pixels; the loss is the weighted mean")
+    ap.add_argument("--ground", type=float, default=0.0,
+                    help="weight of the grounding loss: each object's (and the place's) words attend to its pixels' tokens")
+    ap.add_argument("--ground-layers", default="2,3,4", help="blocks whose cross-attention the grounding loss supervises")
     ap.add_argument("--sigma-floor", type=float, default=0.05, help="floor of sigma in the velocity weighting")
     ap.add_argument("--decay", type=float, default=0.0, help="fraction of --minutes at the end over which lr decays linearly to 5 %%")
     ap.add_argument("--codec-factor", type=int, default=None, help="architecture (new runs; default: EmbeddedConfig's)")
@@ -154,6 +206,10 @@ def main() -> int:
         ema = [p.detach().clone() for p in params]
     n_params = sum(p.numel() for p in params)
     print(f"params {n_params / 1e6:.2f}M device {dev} patch {cfg.patch_size} codec {cfg.codec_factor} layers {cfg.num_layers} dim {cfg.num_heads}x{cfg.head_dim}", flush=True)
+    maps: list[torch.Tensor] = []
+    if args.ground > 0:
+        for i in (int(x) for x in args.ground_layers.split(",")):
+            pipe.transformer.blocks[i].attn2.set_processor(GroundedCrossAttention(maps))
     fwd = pipe.transformer if args.no_compile or dev.type != "cuda" else torch.compile(pipe.transformer)
 
     gen = torch.Generator(device=dev).manual_seed(args.seed)
@@ -162,13 +218,13 @@ def main() -> int:
     print(f"pool of {args.pool} clips rendered in {time.time() - t0:.0f}s", flush=True)
     t_start = time.time()
     log = open(out / "loss.csv", "w")  # noqa: SIM115 (closed after the loop)
-    log.write("step,seconds,loss,lr\n")
+    log.write("step,seconds,loss,lr,ground\n")
     step, ema_loss = 0, None
     while time.time() - t_start < args.minutes * 60 and step < args.max_steps:
         if step and args.refresh:
             pool.refresh(args.refresh)
         with torch.no_grad():
-            video, ids, mask, fg = pool.batch(args.batch, args.drop)
+            video, ids, mask, fg, cover, roles = pool.batch(args.batch, args.drop)
             x0 = pipe.vae.encode(video)
             # Per-element loss weight: 1 on the background, --fg-weight on (dilated) object pixels. The
             # latent is a pixel rearrangement, so the pixel weight maps through the codec exactly.
@@ -191,7 +247,15 @@ def main() -> int:
             gparam["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             emb = pipe.text_encoder(ids, mask)
-            pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=emb, return_dict=False)[0]
+            try:
+                pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=emb, return_dict=False)[0]
+            except Exception as e:  # a compiler failure must not cost the device call: go on eagerly
+                if fwd is pipe.transformer:
+                    raise
+                print(f"torch.compile failed ({type(e).__name__}: {e}); training eagerly", flush=True)
+                fwd = pipe.transformer
+                maps.clear()
+                pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=emb, return_dict=False)[0]
         if cfg.prediction == "x0":
             err = (pred.float() - x0) ** 2
             if args.loss == "velocity":  # ||(x0_hat - x0) / sigma||^2, sigma floored
@@ -199,6 +263,10 @@ def main() -> int:
         else:
             err = (pred.float() - target) ** 2
         loss = (err * wfg).sum() / wfg.sum()
+        if maps:
+            gl = grounding_loss(maps, cover, roles)
+            maps.clear()
+            loss = loss + args.ground * gl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -210,15 +278,16 @@ def main() -> int:
         if step % 50 == 0:
             lv = loss.item()
             ema_loss = lv if ema_loss is None else 0.9 * ema_loss + 0.1 * lv
-            log.write(f"{step},{time.time() - t_start:.1f},{lv:.5f},{lr:.2e}\n")
+            glv = gl.item() if args.ground > 0 else float("nan")
+            log.write(f"{step},{time.time() - t_start:.1f},{lv:.5f},{lr:.2e},{glv:.4f}\n")
             if step % 500 == 0:
                 el = time.time() - t_start
-                print(f"step {step} {el:.0f}s ({el / step * 1000:.0f} ms/step) loss {ema_loss:.4f}", flush=True)
+                print(f"step {step} {el:.0f}s ({el / step * 1000:.0f} ms/step) loss {ema_loss:.4f} ground {glv:.4f}", flush=True)
     log.close()
     train_s = time.time() - t_start
     print(f"trained {step} steps in {train_s:.0f}s", flush=True)
 
-    info = {"steps": step, "batch": args.batch, "loss": args.loss, "fg_weight": args.fg_weight, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
+    info = {"steps": step, "batch": args.batch, "loss": args.loss, "fg_weight": args.fg_weight, "ground": args.ground, "ground_layers": args.ground_layers, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
             "resumed_from": args.resume,
             "total_steps": step + (json.loads((resume_dir / "weights.json").read_text())["info"].get("total_steps", 0) if resume_dir else 0), "params": n_params, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     # (the device tool returns at most 8 files: resume.json is not kept, weights.json has the same info)

@@ -14,7 +14,7 @@ from carnator.world import (
     caption, compatible, edit, judge, nouns, parse, random_style, read, render, sample_scene, sample_scenes, split_of,
     to_uint8, vocabulary,
 )
-from carnator.world.captions import PREFIXES, SUFFIXES, Style
+from carnator.world.captions import FILLER, PLACE, PREFIXES, SUFFIXES, Style, word_roles
 from carnator.world.render import layout, shape_sdf
 from carnator.world.scene import HELDOUT_SHAPE_COLOR, HELDOUT_SHAPE_MOTION
 
@@ -247,6 +247,29 @@ def test_parse_inverts_caption_for_every_template():
     for sc in _scenes(200, 1):
         text = caption(sc, rng, split=None)
         assert parse(text) == sc, text
+
+
+def test_word_roles_hand_computed():
+    text = "on a grassy field, a small red circle slides to the left and a big box rises"
+    P, F = PLACE, FILLER
+    assert word_roles(text) == [P, P, P, P, F, 0, 0, 0, 0, 0, 0, 0, F, F, 1, 1, 1]
+    # a motion phrase before its noun ("there is ... rising"? no: "you can see" + "is" clauses)
+    assert word_roles("a red ball is moving left and a box, 4k") == [F, 0, 0, F, 0, 0, F, F, 1, F]
+
+
+def test_word_roles_agree_with_parse_for_every_template():
+    """The words given to object i parse, alone, to object i; the place words to the background."""
+    rng = np.random.default_rng(3)
+    for sc in _scenes(40, 2):
+        for tpl in TEMPLATES:
+            style = random_style(rng, None)
+            text = caption(sc, style=Style(tpl, style.prefix if TEMPLATES[tpl].np_start else "", style.suffix, style.syn))
+            words = re.findall(r"[a-z0-9]+", text.lower())
+            roles = word_roles(text)
+            assert len(roles) == len(words)
+            for i, o in enumerate(sc.objects):
+                assert parse(" ".join(w for w, r in zip(words, roles) if r == i)).objects == (o,), (text, roles)
+            assert parse(" ".join(w for w, r in zip(words, roles) if r == PLACE)).background == sc.background, text
 
 
 def test_captions_read_naturally():

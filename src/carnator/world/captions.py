@@ -234,6 +234,53 @@ def parse(text: str) -> Scene:
     return Scene(background, tuple(Obj(**o) for o in objs))
 
 
+#: :func:`word_roles` codes for words that describe no object
+FILLER, PLACE = -1, -2
+
+
+def word_roles(text: str) -> list[int]:
+    """What each word of ``text`` (``WordTokenizer.words`` order) describes: the index of the object
+    whose size, colour, noun or motion phrase it belongs to, :data:`PLACE` for the place phrase, or
+    :data:`FILLER`. Attachment as :func:`parse` does it: size and colour words to the next noun, a
+    motion phrase to the last object still without one (else the next). Training uses it to ground
+    each object's words in the object's pixels.
+    """
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    roles = [FILLER] * len(words)
+    pending: list[int] = []          # size/colour words waiting for their noun
+    pending_motion: list[int] = []
+    n_obj, has_motion = 0, []
+    i = 0
+    while i < len(words):
+        for n in range(min(_MAX_PHRASE, len(words) - i), 0, -1):
+            key = tuple(words[i: i + n])
+            if key in _LEXICON:
+                break
+        else:
+            i += 1
+            continue
+        kind, span = _LEXICON[key][0], list(range(i, i + n))
+        if kind == "background":
+            for j in span:
+                roles[j] = PLACE
+        elif kind in ("size", "color"):
+            pending += span
+        elif kind == "shape":
+            for j in pending + span + pending_motion:
+                roles[j] = n_obj
+            has_motion.append(bool(pending_motion))
+            pending, pending_motion = [], []
+            n_obj += 1
+        elif has_motion and not has_motion[-1]:
+            for j in span:
+                roles[j] = n_obj - 1
+            has_motion[-1] = True
+        else:
+            pending_motion += span
+        i += n
+    return roles
+
+
 def nouns(text: str, canonical: bool = False) -> list[str]:
     """Object nouns then the place noun, lower-case, in order: "a red ball on a grassy field" -> ["ball", "field"].
 
