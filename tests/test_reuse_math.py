@@ -368,3 +368,29 @@ def test_quality_rule_hand_computed():
     assert not r.acceptable(0.6, 0.12, 0.6, 0.09)      # artifact 0.03 above dense
     got = r.acceptable(np.array([0.55, 0.4, 0.6]), np.array([0.10, 0.09, 0.12]), np.full(3, 0.6), np.full(3, 0.09))
     assert got.tolist() == [True, False, False]
+
+
+def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
+    """A finished pairs.jsonl re-run with other deltas: labels come from the stored scores and this
+    run's rule (hand-computed), not from the stored labels; no pair is generated again."""
+    from types import SimpleNamespace
+
+    from carnator.calibration import QualityRule, make_pairs, run_calibration
+    from carnator.policies.carnator import CarnatorConfig
+
+    scores = [((1.0, 0.05), (0.8, 0.06)),   # lost 0.2: fails 0.1, passes 0.25
+              ((0.9, 0.05), (0.9, 0.05)),   # equal: passes both
+              ((1.0, 0.02), (0.6, 0.02)),   # lost 0.4: fails both
+              ((0.8, 0.05), (0.8, 0.09))]   # artifact +0.04: fails 0.02, passes 0.05
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for i, ((df, da), (rf, ra)) in enumerate(scores):
+            f.write(json.dumps({"i": i, "kind": make_pairs(len(scores))[i][0], "hit": True, "acceptable": True,
+                                "d": {"context": 1.0 + i, "size": 0.1 * i, "shape": 0.05 * i, "color": 2.0 * i},
+                                "dense": {"fidelity": df, "artifact": da}, "reuse": {"fidelity": rf, "artifact": ra}}) + "\n")
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={},
+                             policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    got = run_calibration(engine, tmp_path, len(scores), progress=lambda *_: None)
+    assert got["acceptable"] == 1
+    got = run_calibration(engine, tmp_path, len(scores), rule=QualityRule(0.25, 0.05), progress=lambda *_: None)
+    assert got["acceptable"] == 3
+    assert json.loads((tmp_path / "calibration.json").read_text())["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}

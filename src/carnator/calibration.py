@@ -7,7 +7,8 @@ and through a *forced* reuse of that entry (thresholds open), both are judged, a
 labelled acceptable iff the reuse's prompt fidelity >= dense's - Delta and its artifact score <=
 dense's + Delta'. Pairs the noun filter rejects are never reused and are skipped. Thresholds are
 selected on one split and certified on the other (:func:`carnator.reuse.calibrate`).
-Every pair is appended to a JSONL file as it finishes, so an interrupted run resumes.
+Every pair is appended to a JSONL file as it finishes, so an interrupted run resumes; a run resumed
+with another rule relabels the stored pairs from their stored scores (no generation).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     if log_path.exists():
         for line in log_path.read_text().splitlines():
             r = json.loads(line)
+            # labels follow this run's rule: a resumed run with other deltas relabels the stored scores
+            if r.get("dense") and r.get("reuse"):
+                r["acceptable"] = bool(rule.acceptable(r["reuse"]["fidelity"], r["reuse"]["artifact"], r["dense"]["fidelity"], r["dense"]["artifact"]))
             done[r["i"]] = r
     pairs = make_pairs(n_pairs)
     with open(log_path, "a") as log:
