@@ -182,6 +182,7 @@ def cmd_bench(args) -> int:
             pool.map(_bench_worker, [(opts, p, threads, {}) for p in order], chunksize=1)
             print(f"test streams run in {time.perf_counter() - t0:.0f} s", flush=True)
     rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
+                    delta_fidelity=args.delta_fidelity, delta_artifact=args.delta_artifact,
                     only=args.worker, report=not args.worker, **args.shard)
     if rep is None:
         return 0
@@ -338,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--resume-step", type=int, default=None)
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
-    k.add_argument("--delta-fidelity", type=float, default=0.1)
-    k.add_argument("--delta-artifact", type=float, default=0.02)
+    k.add_argument("--delta-fidelity", type=float, default=0.1, help="quality rule: a reuse is acceptable iff its judge fidelity >= dense's - this ...")
+    k.add_argument("--delta-artifact", type=float, default=0.02, help="... and its artifact score <= dense's + this")
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
     k.set_defaults(func=cmd_calibrate)
 
@@ -354,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--keep-clips", type=int, default=4, metavar="N",
                    help="keep GIF clips of dense and every policy for the first N hits of each policy, shown side by side "
                         "in report.html (default 4; 0: none)")
+    b.add_argument("--delta-fidelity", type=float, default=0.1,
+                   help="a hit is unsafe when its judge fidelity is below dense's by more than this (calibrate's rule) ...")
+    b.add_argument("--delta-artifact", type=float, default=0.02, help="... or its artifact score above dense's by more than this")
     b.add_argument("--report-only", action="store_true", help="only rewrite report.html from the finished run in --out")
     b.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="run the policies in N processes at once (each loads the model; on a GPU the small embedded model "
