@@ -394,3 +394,4 @@ def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
     got = run_calibration(engine, tmp_path, len(scores), rule=QualityRule(0.25, 0.05), progress=lambda *_: None)
     assert got["acceptable"] == 3
     assert json.loads((tmp_path / "calibration.json").read_text())["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}
+    assert json.loads((tmp_path / "thresholds.json").read_text())["meta"]["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}

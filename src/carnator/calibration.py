@@ -110,7 +110,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     cal_pairs = [CalibrationPair(Discrepancies(**{k: (math.inf if v is None and k == "context" else v) for k, v in r["d"].items()}), r["acceptable"], key=str(r["i"])) for r in rows]
     res = calibrate(cal_pairs, cfg)
     tau_path = out_dir / "thresholds.json"
-    res.thresholds.save(tau_path, model_id=engine.model_identity, meta=res.to_dict())
+    res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule)})
     summary = {"pairs": len(pairs), "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
                "rule": vars(rule), "result": res.to_dict(), "thresholds_file": str(tau_path)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
