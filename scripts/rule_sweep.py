@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
-from carnator.calibration import QualityRule
-from carnator.reuse import CalibrationConfig, CalibrationPair, Discrepancies, calibrate
+from carnator.calibration import QualityRule, calibration_pair
+from carnator.reuse import CalibrationConfig, calibrate
 
 
 def main() -> int:
@@ -34,11 +33,9 @@ def main() -> int:
     for spec in args.rules.split(","):
         df, da = (float(x) for x in spec.split(":"))
         rule = QualityRule(df, da)
-        ok = [bool(rule.acceptable(r["reuse"]["fidelity"], r["reuse"]["artifact"], r["dense"]["fidelity"], r["dense"]["artifact"])) for r in rows]
+        ok = [rule.label(r) for r in rows]
         rr = [o for r, o in zip(rows, ok) if r["kind"] == "reroll"]
-        pairs = [CalibrationPair(Discrepancies(**{k: (math.inf if v is None and k == "context" else v) for k, v in r["d"].items()}), o, key=str(r["i"]))
-                 for r, o in zip(rows, ok)]
-        res = calibrate(pairs, CalibrationConfig())
+        res = calibrate([calibration_pair(r, o) for r, o in zip(rows, ok)], CalibrationConfig())
         print(f"| {df}, {da} | {sum(ok)}/{len(ok)} ({sum(ok) / len(ok):.0%}) | {sum(rr)}/{len(rr)} | {res.selection_accepted} / {res.selection_unsafe} "
               f"| {res.certification_accepted} / {res.certification_unsafe} | {res.certification_bound:.3f} | {res.certified} |")
     return 0

@@ -36,6 +36,18 @@ class QualityRule:
         """The rule on one reuse (floats -> bool) or elementwise on arrays (-> bool array)."""
         return (fidelity >= dense_fidelity - self.delta_fidelity) & (artifact <= dense_artifact + self.delta_artifact)
 
+    def label(self, row: dict) -> bool:
+        """The rule on a stored calibration row (its ``dense`` and ``reuse`` judge scores)."""
+        d, r = row["dense"], row["reuse"]
+        return bool(self.acceptable(r["fidelity"], r["artifact"], d["fidelity"], d["artifact"]))
+
+
+def calibration_pair(row: dict, acceptable: bool | None = None) -> CalibrationPair:
+    """A stored calibration row (reused, with discrepancies) as a :class:`CalibrationPair`; ``acceptable``
+    overrides the stored label. A context discrepancy the signature could not measure is infinite."""
+    d = {k: (math.inf if v is None and k == "context" else v) for k, v in row["d"].items()}
+    return CalibrationPair(Discrepancies(**d), row["acceptable"] if acceptable is None else acceptable, key=str(row["i"]))
+
 
 def make_pairs(n: int, seed: int = 0):
     """n (kind, source caption, source seed, target caption, target seed) tuples from the train split."""
@@ -79,9 +91,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     if log_path.exists():
         for line in log_path.read_text().splitlines():
             r = json.loads(line)
-            # labels follow this run's rule: a resumed run with other deltas relabels the stored scores
-            if r.get("dense") and r.get("reuse"):
-                r["acceptable"] = bool(rule.acceptable(r["reuse"]["fidelity"], r["reuse"]["artifact"], r["dense"]["fidelity"], r["dense"]["artifact"]))
+            r["acceptable"] = rule.label(r)   # this run's rule: a run resumed with other deltas relabels
             done[r["i"]] = r
     pairs = make_pairs(n_pairs)
     with open(log_path, "a") as log:
@@ -100,15 +110,14 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
                    # the plan's parameters (bench-scale replays these at real sizes)
                    "resume_step": reuse.stats.resume_step, "active_fraction": reuse.stats.active_fraction,
                    "mask_density": reuse.stats.mask_density}
-            row["acceptable"] = bool(rule.acceptable(jr.fidelity, jr.artifact, jd.fidelity, jd.artifact))
+            row["acceptable"] = rule.label(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
             done[i] = row
             engine.bank.clear(tenant=tenant)
             progress(f"{i + 1}/{n_pairs} {kind:7s} hit={row['hit']} acceptable={row['acceptable']} fid {jd.fidelity:.2f}->{jr.fidelity:.2f}")
     rows = [done[i] for i in sorted(done) if done[i]["hit"] and done[i]["d"] is not None]
-    cal_pairs = [CalibrationPair(Discrepancies(**{k: (math.inf if v is None and k == "context" else v) for k, v in r["d"].items()}), r["acceptable"], key=str(r["i"])) for r in rows]
-    res = calibrate(cal_pairs, cfg)
+    res = calibrate([calibration_pair(r) for r in rows], cfg)
     tau_path = out_dir / "thresholds.json"
     res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule)})
     summary = {"pairs": len(pairs), "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),

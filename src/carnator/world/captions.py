@@ -189,20 +189,64 @@ _MAX_PHRASE = max(len(k) for k in _LEXICON)
 _PLACE_NOUN = {tuple(p.split()): n for phrases in BACKGROUND_PHRASES.values() for p, n in phrases}
 
 
-def _tokens(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
-    """Longest-match tokens ``(kind, value, words)`` of the known phrases; unknown words are skipped."""
-    words = re.findall(r"[a-z0-9]+", text.lower())
-    out, i = [], 0
+def _spans(words: list[str]):
+    """Longest-match known phrases of ``words``: ``(kind, value, start, length)``; unknown words are skipped."""
+    i = 0
     while i < len(words):
         for n in range(min(_MAX_PHRASE, len(words) - i), 0, -1):
             key = tuple(words[i: i + n])
             if key in _LEXICON:
-                out.append((*_LEXICON[key], key))
+                yield (*_LEXICON[key], i, n)
                 i += n
                 break
         else:
             i += 1
-    return out
+
+
+def _tokens(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Longest-match tokens ``(kind, value, words)`` of the known phrases; unknown words are skipped."""
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return [(kind, value, tuple(words[i: i + n])) for kind, value, i, n in _spans(words)]
+
+
+#: owners of phrases that describe no object (:func:`word_roles`)
+FILLER, PLACE = -1, -2
+
+
+def _attach(text: str) -> tuple[int, list[list]]:
+    """The word count of ``text`` and its phrases ``[kind, value, start, length, owner]``; owner is the
+    index of the object the phrase describes, :data:`PLACE` or :data:`FILLER`.
+
+    Size and colour words attach to the next shape noun, a motion phrase to the last object still
+    without one (else the next noun); attributes after the last noun make an object of unknown shape
+    (with any motion still pending); a motion with no object left over is a filler.
+    """
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    toks: list[list] = []
+    pending: list[list] = []          # size/colour phrases waiting for their noun
+    pending_motion: list[list] = []
+    has_motion: list[bool] = []       # per object so far
+    for kind, value, i, n in _spans(words):
+        t = [kind, value, i, n, FILLER]
+        toks.append(t)
+        if kind == "background":
+            t[4] = PLACE
+        elif kind in ("size", "color"):
+            pending.append(t)
+        elif kind == "shape":
+            for u in pending + [t] + pending_motion:
+                u[4] = len(has_motion)
+            has_motion.append(bool(pending_motion))
+            pending, pending_motion = [], []
+        elif has_motion and not has_motion[-1]:
+            t[4] = len(has_motion) - 1
+            has_motion[-1] = True
+        else:
+            pending_motion.append(t)
+    if pending:
+        for u in pending + pending_motion:
+            u[4] = len(has_motion)
+    return len(words), toks
 
 
 def parse(text: str) -> Scene:
@@ -211,73 +255,30 @@ def parse(text: str) -> Scene:
     Size and colour words attach to the next shape noun, a motion phrase to the last object
     (or the next one if none came yet), the place phrase to the scene. Exact on our captions.
     """
-    background = None
-    objs: list[dict] = []
-    pending: dict = {}
-    pending_motion = None
-    for kind, value, _ in _tokens(text):
-        if kind == "background":
-            background = background or value
-        elif kind in ("size", "color"):
-            pending.setdefault(kind, value)
-        elif kind == "shape":
-            objs.append({"shape": value, "color": pending.get("color"), "size": pending.get("size"),
-                         "motion": pending_motion})
-            pending, pending_motion = {}, None
-        elif kind == "motion":
-            if objs and objs[-1]["motion"] is None:
-                objs[-1]["motion"] = value
-            else:
-                pending_motion = value
-    if pending:  # attributes without a noun ("a red one"): an object of unknown shape
-        objs.append({"shape": None, "color": pending.get("color"), "size": pending.get("size"), "motion": pending_motion})
+    _, toks = _attach(text)
+    background = next((value for _, value, _, _, owner in toks if owner == PLACE), None)
+    objs = [dict.fromkeys(("shape", "color", "size", "motion")) for _ in range(1 + max((t[4] for t in toks), default=-1))]
+    for kind, value, _, _, owner in toks:
+        if owner < 0:
+            continue
+        o = objs[owner]
+        if kind in ("size", "color"):
+            o[kind] = o[kind] or value        # the first one counts
+        else:
+            o[kind] = value                   # the noun; the last pending motion phrase counts
     return Scene(background, tuple(Obj(**o) for o in objs))
-
-
-#: :func:`word_roles` codes for words that describe no object
-FILLER, PLACE = -1, -2
 
 
 def word_roles(text: str) -> list[int]:
     """What each word of ``text`` (``WordTokenizer.words`` order) describes: the index of the object
     whose size, colour, noun or motion phrase it belongs to, :data:`PLACE` for the place phrase, or
-    :data:`FILLER`. Attachment as :func:`parse` does it: size and colour words to the next noun, a
-    motion phrase to the last object still without one (else the next). Training uses it to ground
-    each object's words in the object's pixels.
+    :data:`FILLER` - attached as :func:`parse` attaches them. Training uses it to ground each object's
+    words in the object's pixels.
     """
-    words = re.findall(r"[a-z0-9]+", text.lower())
-    roles = [FILLER] * len(words)
-    pending: list[int] = []          # size/colour words waiting for their noun
-    pending_motion: list[int] = []
-    n_obj, has_motion = 0, []
-    i = 0
-    while i < len(words):
-        for n in range(min(_MAX_PHRASE, len(words) - i), 0, -1):
-            key = tuple(words[i: i + n])
-            if key in _LEXICON:
-                break
-        else:
-            i += 1
-            continue
-        kind, span = _LEXICON[key][0], list(range(i, i + n))
-        if kind == "background":
-            for j in span:
-                roles[j] = PLACE
-        elif kind in ("size", "color"):
-            pending += span
-        elif kind == "shape":
-            for j in pending + span + pending_motion:
-                roles[j] = n_obj
-            has_motion.append(bool(pending_motion))
-            pending, pending_motion = [], []
-            n_obj += 1
-        elif has_motion and not has_motion[-1]:
-            for j in span:
-                roles[j] = n_obj - 1
-            has_motion[-1] = True
-        else:
-            pending_motion += span
-        i += n
+    n_words, toks = _attach(text)
+    roles = [FILLER] * n_words
+    for _, _, i, n, owner in toks:
+        roles[i: i + n] = [owner] * n
     return roles
 
 
