@@ -41,6 +41,7 @@ import torch
 from carnator import denoise
 from carnator.backbones.embedded import EmbeddedAdapter
 from carnator.embedded import load_pipeline
+from carnator.embedded.model import build_scheduler
 from carnator.embedded.sample import sample_batch
 from carnator.signature import RegionConfig, ciede2000, evidence_region, hysteresis, mean_lab, select_seeds, srgb_to_lab, upsample_mask
 from carnator.world import caption, judge, sample_scenes
@@ -113,12 +114,16 @@ def main():
     ap.add_argument("--gen-steps", type=int, default=None, help="testing only: fewer generation steps")
     ap.add_argument("--probe-steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flow-shift", type=float, default=None, help="sample (and probe) with this flow shift instead of the model's")
     ap.add_argument("--out", default="docs/PROBE.md")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t_all = time.time()
 
     pipe = load_pipeline()
+    if args.flow_shift is not None:
+        pipe.cfg.flow_shift = args.flow_shift
+        pipe.scheduler = build_scheduler(pipe.cfg)
     ad = EmbeddedAdapter(pipe)
     L = ad.num_layers()
     rng = np.random.default_rng(args.seed)
@@ -266,8 +271,9 @@ def main():
     lines = [
         "# Probe measurement: Evidence Regions and probe colours vs the model's own output",
         "",
-        f"Command: `python scripts/measure_probe.py -n {args.n} --gen {G} --seed {args.seed}`"
-        + (f" --gen-steps {args.gen_steps}" if args.gen_steps else ""),
+        f"Command: `python scripts/measure_probe.py -n {args.n} --gen {G} --seed {args.seed}"
+        + (f" --flow-shift {args.flow_shift:g}" if args.flow_shift is not None else "")
+        + (f" --gen-steps {args.gen_steps}" if args.gen_steps else "") + "`",
         f"Machine: 2-core CPU dev box (torch threads 1). Date: {datetime.date.today().isoformat()}. "
         f"Wall time: generation {t_gen:.0f}s, probes + grid {t_probe:.0f}s, total {time.time() - t_all:.0f}s.",
         "",

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from carnator.calibration import QualityRule
+from carnator.quality import QualityRule
 from carnator.embedded import load_pipeline
 from carnator.embedded.sample import sample_batch
 from carnator.world.captions import caption

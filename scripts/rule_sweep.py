@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from carnator.calibration import QualityRule, calibration_pair
+from carnator.calibration import calibration_pair
+from carnator.quality import QualityRule
 from carnator.reuse import CalibrationConfig, calibrate
 
 

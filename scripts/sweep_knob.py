@@ -37,7 +37,8 @@ def main() -> int:
     import diffusers
 
     from carnator import Carnator, EngineConfig
-    from carnator.calibration import QualityRule, make_pairs
+    from carnator.calibration import make_pairs
+    from carnator.quality import QualityRule
     from carnator.attention.controller import SparseConfig
     from carnator.policies.carnator import CarnatorConfig, CarnatorPolicy
     from carnator.reuse import Thresholds

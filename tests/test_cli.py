@@ -120,6 +120,14 @@ def test_bad_request(capsys, model_dir, tmp_path, cache, args, words):
     assert out == "" and not out_file.exists()
 
 
+@pytest.mark.parametrize("args, words", [(["--pairs", "2"], ["--pairs", "at least 4"]), (["--jobs", "0"], ["--jobs"]),
+                                         (["--model", "x"], ["judge", "--model embedded"])], ids=["pairs", "jobs", "model"])
+def test_bad_calibrate_args(capsys, tmp_path, args, words):
+    code, out, err = run(capsys, "calibrate", *args, "--out", tmp_path / "cal", "--cache-dir", tmp_path / "cache")
+    assert_user_error(code, err, *words)
+    assert not (tmp_path / "cal").exists()
+
+
 @pytest.mark.parametrize("name", ["video.avi", "video", "video.mp4.txt"])
 def test_bad_out_extension(capsys, model_dir, tmp_path, cache, name):
     code, _, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--out", tmp_path / name)

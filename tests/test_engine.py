@@ -138,11 +138,16 @@ def test_identical_request_is_exact_hit(engine, pipe):
 )
 def test_changed_request_is_not_exact_hit(engine, pipe, change):
     gen(engine)
+    assert engine.is_cached(PROMPT, seed=SEED, **S)
+    kw = {"seed": SEED, **S, **change}
+    prompt = kw.pop("prompt", PROMPT)
+    assert not engine.is_cached(prompt, **kw)
     calls, handle = count_forwards(pipe.transformer)
     try:
         res = gen(engine, **change)
     finally:
         handle.remove()
+    assert engine.is_cached(prompt, **kw)
     assert not res.stats.exact_hit and not res.stats.hit
     assert res.stats.dit_forwards > 0 and len(calls) == res.stats.dit_forwards
     assert len(engine.bank) == 2  # the changed request is an entry of its own

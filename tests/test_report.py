@@ -48,12 +48,11 @@ class FakeEngine:
     def __init__(self, cache_dir: Path):
         cache_dir.mkdir(parents=True, exist_ok=True)
         self.dir = cache_dir
-        kept = self.stored.setdefault(cache_dir, set())
-        self.cache_identity = "fake"
-        self.adapter = SimpleNamespace(resolve=lambda prompt, seed, **_: SimpleNamespace(
-            tenant="default", exact_key=lambda ident: (prompt, seed)))
-        self.bank = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2),
-                                    lookup_exact=lambda tenant, key: key if key in kept else None)
+        self.stored.setdefault(cache_dir, set())
+        self.bank = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2))
+
+    def is_cached(self, prompt, *, seed, num_inference_steps=None):
+        return (prompt, seed) in self.stored[self.dir]
 
     def generate(self, prompt, *, seed, policy, num_inference_steps=None, store=True, reuse=True):
         self.calls.append((policy, prompt, seed, reuse))

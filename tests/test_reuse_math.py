@@ -360,7 +360,7 @@ def test_upsample_tokens():
 
 def test_quality_rule_hand_computed():
     """fidelity >= dense - 0.1 and artifact <= dense + 0.02 (calibrate's default), on floats and elementwise."""
-    from carnator.calibration import QualityRule
+    from carnator.quality import QualityRule
 
     r = QualityRule()
     assert r.acceptable(0.55, 0.10, 0.6, 0.09)         # within both limits
@@ -375,7 +375,8 @@ def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
     run's rule (hand-computed), not from the stored labels; no pair is generated again."""
     from types import SimpleNamespace
 
-    from carnator.calibration import QualityRule, make_pairs, run_calibration
+    from carnator.calibration import make_pairs, run_calibration
+    from carnator.quality import QualityRule
     from carnator.policies.carnator import CarnatorConfig
 
     scores = [((1.0, 0.05), (0.8, 0.06)),   # lost 0.2: fails 0.1, passes 0.25
@@ -395,3 +396,36 @@ def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
     assert got["acceptable"] == 3
     assert json.loads((tmp_path / "calibration.json").read_text())["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}
     assert json.loads((tmp_path / "thresholds.json").read_text())["meta"]["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}
+
+
+def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
+    """calibrate --jobs: shard (k, n) generates exactly pairs k, k + n, ... and selects nothing; the final
+    unsharded run finds every pair stored, generates none, and selects over all of them."""
+    import importlib
+    from types import SimpleNamespace
+
+    from carnator.calibration import make_pairs, run_calibration
+    from carnator.policies.carnator import CarnatorConfig
+
+    pairs = make_pairs(5)
+    calls = []
+
+    def generate(prompt, *, seed, policy, tenant, num_inference_steps=None, store=True):
+        calls.append((int(tenant[5:]), policy))
+        notes = {"discrepancies": {"context": 1.0, "size": 0.1, "shape": 0.1, "color": 1.0}} if policy == "carnator-forced" else {}
+        return SimpleNamespace(frames=np.zeros((1, 1, 1, 3), np.uint8), stats=SimpleNamespace(
+            hit=policy == "carnator-forced", notes=notes, timings={}, resume_step=20, active_fraction=0.5, mask_density=1.0))
+
+    monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge",
+                        lambda frames, text: SimpleNamespace(fidelity=1.0, artifact=0.0))
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, generate=generate,
+                             bank=SimpleNamespace(clear=lambda tenant: None),
+                             policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    assert run_calibration(engine, tmp_path, len(pairs), shard=(1, 2), progress=lambda *_: None) is None
+    assert sorted({i for i, _ in calls}) == [1, 3] and not (tmp_path / "thresholds.json").exists()
+    assert run_calibration(engine, tmp_path, len(pairs), shard=(0, 2), progress=lambda *_: None) is None
+    assert sorted({i for i, _ in calls}) == [0, 1, 2, 3, 4] and len(calls) == 3 * len(pairs)
+    got = run_calibration(engine, tmp_path, len(pairs), progress=lambda *_: None)
+    assert len(calls) == 3 * len(pairs)                      # nothing generated again
+    assert got["pairs"] == got["reusable_pairs"] == got["acceptable"] == len(pairs)
+    assert sorted(json.loads(x)["i"] for x in (tmp_path / "pairs.jsonl").read_text().splitlines()) == list(range(len(pairs)))

@@ -15,31 +15,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .quality import QualityRule
 from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate
 
 EDIT_MIX = ("noun", "noun", "context", "color", "size", "motion", "reword", "reroll")
-
-
-@dataclass
-class QualityRule:
-    """A reuse is acceptable iff fidelity >= dense - delta_fidelity and artifact <= dense + delta_artifact."""
-
-    delta_fidelity: float = 0.1
-    delta_artifact: float = 0.02
-
-    def acceptable(self, fidelity, artifact, dense_fidelity, dense_artifact):
-        """The rule on one reuse (floats -> bool) or elementwise on arrays (-> bool array)."""
-        return (fidelity >= dense_fidelity - self.delta_fidelity) & (artifact <= dense_artifact + self.delta_artifact)
-
-    def label(self, row: dict) -> bool:
-        """The rule on a stored calibration row (its ``dense`` and ``reuse`` judge scores)."""
-        d, r = row["dense"], row["reuse"]
-        return bool(self.acceptable(r["fidelity"], r["artifact"], d["fidelity"], d["artifact"]))
 
 
 def calibration_pair(row: dict, acceptable: bool | None = None) -> CalibrationPair:
@@ -72,7 +55,11 @@ def make_pairs(n: int, seed: int = 0):
 
 
 def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = None, rule: QualityRule = QualityRule(),
-                    cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | None = None, progress=print) -> dict:
+                    cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | None = None, progress=print,
+                    shard: tuple[int, int] | None = None) -> dict | None:
+    """Generate and judge the pairs not yet in ``out_dir/pairs.jsonl``, then select and certify thresholds and write
+    them (thresholds.json, calibration.json); returns the summary. ``shard=(k, n)``: only pairs k, k + n, ... and
+    return None without selecting (a worker of ``carnator calibrate --jobs n``; workers append to one pairs.jsonl)."""
     from .policies.carnator import CarnatorConfig, CarnatorPolicy
     from .world.judge import judge
 
@@ -96,7 +83,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     pairs = make_pairs(n_pairs)
     with open(log_path, "a") as log:
         for i, (kind, src, s_seed, tgt, t_seed) in enumerate(pairs):
-            if i in done:
+            if i in done or (shard is not None and i % shard[1] != shard[0]):
                 continue
             tenant = f"calib{i}"
             engine.generate(src, seed=s_seed, policy="carnator-source", tenant=tenant, num_inference_steps=steps)
@@ -116,6 +103,8 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
             done[i] = row
             engine.bank.clear(tenant=tenant)
             progress(f"{i + 1}/{n_pairs} {kind:7s} hit={row['hit']} acceptable={row['acceptable']} fid {jd.fidelity:.2f}->{jr.fidelity:.2f}")
+    if shard is not None:
+        return None
     rows = [done[i] for i in sorted(done) if done[i]["hit"] and done[i]["d"] is not None]
     res = calibrate([calibration_pair(r) for r in rows], cfg)
     tau_path = out_dir / "thresholds.json"

@@ -113,18 +113,45 @@ def cmd_demo(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibration import QualityRule, run_calibration
+    from .calibration import run_calibration
     from .reuse import CalibrationConfig
 
     if args.model != "embedded":
         raise CarnatorError("calibrate needs a judge of prompt fidelity; only the embedded model has one (--model embedded)")
     if args.pairs < 4:
         raise CarnatorError("--pairs must be at least 4")
+    if args.jobs < 1:
+        raise CarnatorError("--jobs must be 1 or more")
+    if args.jobs > 1 and args.shard is None:
+        # Workers generate and judge disjoint shards of the pairs, appending to one pairs.jsonl; the run below
+        # then finds every pair done and only selects and certifies.
+        import multiprocessing as mp
+
+        import torch
+
+        opts, threads = vars(args), torch.get_num_threads()
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            pool.map(_calibrate_worker, [(opts, threads, (k, args.jobs)) for k in range(args.jobs)], chunksize=1)
     eng = _engine(args)
-    summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=QualityRule(args.delta_fidelity, args.delta_artifact),
-                              cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence), resume_step=args.resume_step)
-    print(json.dumps(summary, indent=1, default=str))
+    summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=_quality_rule(args),
+                              cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence), resume_step=args.resume_step,
+                              shard=args.shard)
+    if summary is not None:
+        print(json.dumps(summary, indent=1, default=str))
     return 0
+
+
+def _calibrate_worker(job: tuple[dict, int, tuple[int, int]]) -> None:
+    """One shard of ``carnator calibrate --jobs N``, in its own process with the parent's torch thread count."""
+    import argparse
+
+    import torch
+
+    opts, threads, shard = job
+    torch.set_num_threads(threads)
+    code = cmd_calibrate(argparse.Namespace(**{**opts, "jobs": 1, "shard": shard}))
+    if code:
+        raise CarnatorError(f"calibrate worker {shard[0]} exited with {code}")
 
 
 def cmd_bench(args) -> int:
@@ -182,7 +209,7 @@ def cmd_bench(args) -> int:
             pool.map(_bench_worker, [(opts, p, threads, {}) for p in order], chunksize=1)
             print(f"test streams run in {time.perf_counter() - t0:.0f} s", flush=True)
     rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
-                    delta_fidelity=args.delta_fidelity, delta_artifact=args.delta_artifact,
+                    rule=_quality_rule(args),
                     only=args.worker, report=not args.worker, **args.shard)
     if rep is None:
         return 0
@@ -300,6 +327,20 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def _add_rule_args(p: argparse.ArgumentParser, help_fidelity: str, help_artifact: str) -> None:
+    """--delta-fidelity / --delta-artifact, defaulting to :class:`~carnator.quality.QualityRule`'s."""
+    from .quality import QualityRule
+
+    p.add_argument("--delta-fidelity", type=float, default=QualityRule.delta_fidelity, help=help_fidelity)
+    p.add_argument("--delta-artifact", type=float, default=QualityRule.delta_artifact, help=help_artifact)
+
+
+def _quality_rule(args):
+    from .quality import QualityRule
+
+    return QualityRule(args.delta_fidelity, args.delta_artifact)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="carnator", description="Fast text-to-video generation by cross-request reuse.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -339,9 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--resume-step", type=int, default=None)
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
-    k.add_argument("--delta-fidelity", type=float, default=0.1, help="quality rule: a reuse is acceptable iff its judge fidelity >= dense's - this ...")
-    k.add_argument("--delta-artifact", type=float, default=0.02, help="... and its artifact score <= dense's + this")
+    _add_rule_args(k, "quality rule: a reuse is acceptable iff its judge fidelity >= dense's - this (default %(default)s) ...",
+                   "... and its artifact score <= dense's + this (default %(default)s)")
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
+    k.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="generate the pairs in N worker processes (set OMP_NUM_THREADS so that N x threads fits the cores)")
+    k.set_defaults(shard=None)
     k.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="compare policies on one shapes-world trace (warm cache + test stream)")
@@ -355,9 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--keep-clips", type=int, default=4, metavar="N",
                    help="keep GIF clips of dense and every policy for the first N hits of each policy, shown side by side "
                         "in report.html (default 4; 0: none)")
-    b.add_argument("--delta-fidelity", type=float, default=0.1,
-                   help="a hit is unsafe when its judge fidelity is below dense's by more than this (calibrate's rule) ...")
-    b.add_argument("--delta-artifact", type=float, default=0.02, help="... or its artifact score above dense's by more than this")
+    _add_rule_args(b, "a hit is unsafe when its judge fidelity is below dense's by more than this (calibrate's rule; default %(default)s) ...",
+                   "... or its artifact score above dense's by more than this (default %(default)s)")
     b.add_argument("--report-only", action="store_true", help="only rewrite report.html from the finished run in --out")
     b.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="run the policies in N processes at once (each loads the model; on a GPU the small embedded model "

@@ -200,6 +200,12 @@ class Carnator:
         return denoise.capture_set(self.config.capture_steps, state.num_steps)
 
     # ---- generation --------------------------------------------------------------------------
+    def is_cached(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> bool:
+        """Whether the bank holds this exact request (same prompt, seed and settings: ``request`` takes
+        :meth:`generate`'s ``negative_prompt``, ``num_inference_steps``, ...), i.e. whether it would be an exact hit."""
+        req = self.adapter.resolve(prompt, seed=seed, tenant=tenant, **request)
+        return self.bank.lookup_exact(req.tenant, req.exact_key(self.cache_identity)) is not None
+
     def generate(
         self,
         prompt: str,

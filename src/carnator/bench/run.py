@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..quality import QualityRule
 from .report import clip_requests, to_markdown, write_html
 from .traces import Trace
 
@@ -38,7 +39,7 @@ __all__ = ["run_bench", "summarize", "thumbnail", "to_markdown"]
 
 
 def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, steps: int | None = None,
-              delta_fidelity: float = 0.1, delta_artifact: float = 0.02, keep_clips: int = 0, progress=print,
+              rule: QualityRule = QualityRule(), keep_clips: int = 0, progress=print,
               only: bool = False, report: bool = True, warm_shard: tuple[int, int] | None = None) -> dict | None:
     """Run ``policies`` (dense first, always included unless ``only``) and, with ``report``, summarize and write
     the report; without ``report`` (a worker of a parallel run) return None once the rows are written.
@@ -70,8 +71,7 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 k0, n = warm_shard or (0, 1)
                 todo = trace.warm[k0::n]
                 for k, r in enumerate(todo):
-                    req = eng.adapter.resolve(r.prompt, seed=r.seed, num_inference_steps=steps)
-                    if eng.bank.lookup_exact(req.tenant, req.exact_key(eng.cache_identity)) is None:
+                    if not eng.is_cached(r.prompt, seed=r.seed, num_inference_steps=steps):
                         eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, reuse=False)
                     progress(f"[{pol}] warm {k + 1}/{len(todo)}" + (f" (shard {k0 + 1} of {n})" if n > 1 else ""))
                 if warm_shard is None:
@@ -101,7 +101,7 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
             done[(pol, "bytes")] = {"bytes_per_entry": st.bytes / max(st.count, 1)}
     if not report:
         return None
-    rep = summarize(done, order, len(trace.test), delta_fidelity, delta_artifact)
+    rep = summarize(done, order, len(trace.test), rule)
     rows = [done[(pol, i)] for pol in order for i in range(len(trace.test))]
     if keep_clips > 0:
         prune_clips(out, rows, order, keep_clips)
@@ -132,12 +132,10 @@ def prune_clips(out: Path, rows: list[dict], order: list[str], n: int) -> list[i
     return sorted(keep)
 
 
-def summarize(done, order, n, dfid, dart) -> dict:
-    from ..calibration import QualityRule
-
-    rule = QualityRule(dfid, dart)
+def summarize(done, order, n, rule: QualityRule) -> dict:
+    """Per-policy metrics of a finished run; a hit is unsafe when ``rule`` rejects it against dense."""
     dense = {i: done[("dense", i)] for i in range(n)}
-    rep = {"requests": n, "delta_fidelity": dfid, "delta_artifact": dart, "policies": {}}
+    rep = {"requests": n, "delta_fidelity": rule.delta_fidelity, "delta_artifact": rule.delta_artifact, "policies": {}}
     for pol in order:
         rows = [done[(pol, i)] for i in range(n)]
         hits = [r for r in rows if r["hit"]]

@@ -269,7 +269,7 @@ class Thresholds:
         }
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
+        tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")  # per process: concurrent writers never share a temporary
         tmp.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
         os.replace(tmp, p)
 
