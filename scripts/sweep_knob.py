@@ -3,14 +3,19 @@
 
     python scripts/sweep_knob.py --knob resume_step --values 10,15,20,25,30,35 [-n 48] [--out sweep.jsonl]
     python scripts/sweep_knob.py --knob p --values 0.5,0.7,0.8,0.9,0.97 [-n 40] [--out sweep_p.jsonl]
+    python scripts/sweep_knob.py --knob parts --values full,nomasks,nowindow,none --kinds reroll,reword [-n 24]
 
 Pairs as `carnator calibrate` draws them (train split, edit kinds in turn). For each pair the target
 is generated dense; for each value the source request is generated and cached under that value
-(once for ``resume_step``, once per value for ``p``, the attention-mass fraction its block masks are
-recorded with), and the target reuses it with the thresholds open (every pair that passes recall and
+(once for ``resume_step`` and ``parts``, once per value for ``p``, the attention-mass fraction its block
+masks are recorded with), and the target reuses it with the thresholds open (every pair that passes recall and
 the noun filter reuses; the target is not stored). Printed per value: reuses, mean fidelity and
 artifact of the reuse minus dense (with the standard error), the share the calibration rule calls
 acceptable, mean mask density, and the DiT and end-to-end speedups over the same pair's dense run.
+``parts`` ablates the reuse's restrictions: ``nomasks`` attends densely (no cached block masks),
+``nowindow`` recomputes every token in every layer, ``none`` both, ``exact`` records the source's masks
+from the exact block mass instead of the pooled estimate; the source clip's own judge scores are
+printed beside them (a reuse of an unchanged scene cannot beat its source by much).
 Rows are appended to --out as they finish, and a rerun with the same --out skips them.
 """
 
@@ -28,10 +33,12 @@ import numpy as np
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=40)
-    ap.add_argument("--knob", choices=["resume_step", "p"], default="resume_step")
+    ap.add_argument("--knob", choices=["resume_step", "p", "parts"], default="resume_step")
+    ap.add_argument("--kinds", default=None, help="only these edit kinds (comma-separated; default all)")
     ap.add_argument("--values", default="10,15,20,25,30")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="sweep.jsonl")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
 
     import diffusers
@@ -45,10 +52,16 @@ def main() -> int:
     from carnator.world.judge import judge
 
     diffusers.utils.logging.disable_progress_bar()
-    values = [(int if args.knob == "resume_step" else float)(x) for x in args.values.split(",")]
+    parts = {"full": {}, "nomasks": {"reuse_masks": False}, "nowindow": {"window": (0.0, 0.0)},
+             "none": {"reuse_masks": False, "window": (0.0, 0.0)}, "exact": "exact"}
+    cast = {"resume_step": int, "p": float, "parts": str}[args.knob]
+    values = [cast(x) for x in args.values.split(",")]
+    if args.knob == "parts" and not set(values) <= set(parts):
+        ap.error(f"--knob parts takes values from {', '.join(parts)}")
+    one_source = args.knob != "p"  # p changes what the source records: a source per value
     tmp = Path(tempfile.mkdtemp(prefix="sweep-resume-"))
     # The resume-step sweep reuses one source at every value: keep every step of its trajectory.
-    eng = Carnator.from_pretrained("embedded", cache_dir=tmp / "cache", device="cpu", config=EngineConfig(capture_steps="all"))
+    eng = Carnator.from_pretrained("embedded", cache_dir=tmp / "cache", device=args.device, config=EngineConfig(capture_steps="all"))
     open_tau = tmp / "open.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=eng.model_identity)
     base = eng.policy("carnator").cfg
@@ -56,6 +69,8 @@ def main() -> int:
     def setting(v):
         if args.knob == "resume_step":
             return {"resume_step": v}
+        if args.knob == "parts":  # "exact": masks recorded from the exact block mass (its own source)
+            return {"sparse": SparseConfig(**{**vars(base.sparse), "mass": "exact"})} if parts[v] == "exact" else parts[v]
         return {"sparse": SparseConfig(**{**vars(base.sparse), "p": v})}
 
     for v in values:
@@ -66,19 +81,22 @@ def main() -> int:
     out = Path(args.out)
     done = {json.loads(line)["i"] for line in out.read_text().splitlines()} if out.exists() else set()
     with open(out, "a") as log:
+        kinds = set(args.kinds.split(",")) if args.kinds else None
         for i, (kind, src, s_seed, tgt, t_seed) in enumerate(make_pairs(args.n, seed=args.seed)):
-            if i in done:
+            if i in done or (kinds is not None and kind not in kinds):
                 continue
             dense = eng.generate(tgt, seed=t_seed, policy="dense", tenant="dense", store=False)
             jd = judge(dense.frames, tgt)
             row = {"i": i, "kind": kind, "knob": args.knob, "dense": {"fidelity": jd.fidelity, "artifact": jd.artifact,
                                                                       "dit": dense.stats.timings["dit"], "total": dense.stats.timings["total"]}, "reuse": {}}
             for v in values:
-                tenant = f"sweep{i}" if args.knob == "resume_step" else f"sweep{i}-{v}"  # p: a source per value
-                if v == values[0] or args.knob != "resume_step":
-                    eng.generate(src, seed=s_seed, policy=f"source{v}", tenant=tenant)
+                own = not one_source or "sparse" in setting(v)  # this value records its own source
+                tenant = f"sweep{i}-{v}" if own else f"sweep{i}"
+                if v == values[0] or own:
+                    js = judge(eng.generate(src, seed=s_seed, policy=f"source{v}", tenant=tenant).frames, src)
+                    row["source"] = {"fidelity": js.fidelity, "artifact": js.artifact}
                 res = eng.generate(tgt, seed=t_seed, policy=f"forced{v}", tenant=tenant, store=False)
-                if args.knob != "resume_step":
+                if own:
                     eng.bank.clear(tenant=tenant)
                 if not res.stats.hit:
                     row["reuse"][v] = None
@@ -91,11 +109,15 @@ def main() -> int:
             eng.bank.clear(tenant=f"sweep{i}")
             log.write(json.dumps(row) + "\n")
             log.flush()
-            print(f"{i + 1}/{args.n} {kind:7s} " + " ".join(f"{v}:{'-' if u is None else round(u['fidelity'] - jd.fidelity, 2)}" for v, u in row["reuse"].items()), flush=True)
+            print(f"{i + 1}/{args.n} {kind:7s} source {row['source']['fidelity'] - jd.fidelity:+.2f} " + " ".join(f"{v}:{'-' if u is None else round(u['fidelity'] - jd.fidelity, 2)}" for v, u in row["reuse"].items()), flush=True)
 
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     rows = [r for r in rows if r.get("knob", "resume_step") == args.knob]
     print(f"\n{len(rows)} pairs; reuse minus dense, mean (standard error); rule: fidelity >= dense - {rule.delta_fidelity}, artifact <= dense + {rule.delta_artifact}")
+    src = [(row["dense"], row["source"]) for row in rows if "source" in row]
+    if src:
+        df = np.array([u["fidelity"] - d["fidelity"] for d, u in src])
+        print(f"source clip (its own prompt) minus dense (the target): fidelity {df.mean():+.3f} over {len(src)} pairs")
     print(f"| {args.knob} | reuses | fidelity | artifact | acceptable | mask density | DiT speedup | E2E speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for v in values:

@@ -469,3 +469,28 @@ def test_nearest_mask_serves_the_steps_between_recorded_ones():
     assert [s for s in range(5) if (setattr(ctrl, "step", s) or ctrl.capturing(1))] == [0, 2, 4]
     with pytest.raises(ValueError):
         SparseConfig(p=0.0)
+
+
+def test_capture_reads_the_configured_block_mass():
+    """SparseConfig.mass picks the estimator: a key block that holds one strong key among weak ones wins under the
+    exact mass but not under the pooled estimate (its mean key is pulled towards zero); hand-made Q, K."""
+    from carnator.attention.controller import AttentionController, SparseConfig
+
+    # 1 query block of 2 identical queries; 2 key blocks of 2 keys. Block 0: one key aligned with q (logit 8) and
+    # one opposite (-8); block 1: two keys at logit 2. Exact mass: block 0 ~ e^8 / (e^8 + 2 e^2) ~ 0.995. Pooled:
+    # mean key of block 0 is 0 (logit 0 + log 2), of block 1 logit 2 + log 2, so the estimate favours block 1.
+    d = 4
+    q = torch.zeros(1, 1, 2, d)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 4, d)
+    k[0, 0, 0, 0], k[0, 0, 1, 0], k[0, 0, 2, 0], k[0, 0, 3, 0] = 16.0, -16.0, 4.0, 4.0   # logits x scale 1/2
+    got = {}
+    for mass in ("estimate", "exact"):
+        ctrl = AttentionController()
+        ctrl.branches, ctrl.step = (0,), 0
+        ctrl.sparse = SparseConfig(block=2, p=0.6, mass=mass)
+        ctrl.capture(0, q, k)
+        got[mass] = ctrl.captured.get(0, 0, 0)[0, 0].tolist()
+    assert got == {"estimate": [False, True], "exact": [True, False]}
+    with pytest.raises(ValueError, match="mass"):
+        SparseConfig(mass="sampled")

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -98,7 +98,7 @@ class Chorus2Policy(Policy):
         ctrl = ad.attention()
         n_tokens = int(np.prod(ad.token_grid(ctx.request)))
         blk = self.sparse.block if self.sparse.block * 8 <= n_tokens else max(8, n_tokens // 16)
-        ctrl.sparse = SparseConfig(block=blk, p=self.sparse.p)
+        ctrl.sparse = replace(self.sparse, block=blk)
         near = self.gate.nearest(ctx)
         if near is None:
             return Plan()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -142,7 +142,7 @@ class CarnatorPolicy(Policy):
         n_tokens = int(np.prod(ad.token_grid(req)))
         # Small token counts (the embedded model: 512) get blocks of N/16 so a mask has 16 x 16 blocks.
         blk = cfg.sparse.block if cfg.sparse.block * 8 <= n_tokens else max(8, n_tokens // 16)
-        ctrl.sparse = SparseConfig(block=blk, p=cfg.sparse.p, steps=cfg.sparse.steps, layers=cfg.sparse.layers, stride=cfg.sparse.stride)
+        ctrl.sparse = replace(cfg.sparse, block=blk)
         nouns = extract_nouns(req.prompt)
 
         t0 = time.perf_counter()
