@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from carnator.calibration import calibration_pair
+from carnator.calibration import calibration_pair, reused_rows
 from carnator.quality import QualityRule
 from carnator.reuse import CalibrationConfig, calibrate
 
@@ -27,8 +27,7 @@ def main() -> int:
     ap.add_argument("--rules", default="0.1:0.02,0.1:0.05,0.2:0.05,0.25:0.05,0.34:0.05")
     args = ap.parse_args()
     rows = [json.loads(line) for line in open(args.pairs)]
-    # in pair order, as calibrate orders them (workers of calibrate --jobs append out of order): the split depends on it
-    rows = sorted((r for r in rows if r["hit"] and r["d"] is not None), key=lambda r: r["i"])
+    rows = reused_rows(rows)
     print(f"{len(rows)} reused pairs")
     print("| rule (DF, DA) | acceptable | re-rolls acceptable | selection accepted / unsafe | certification accepted / unsafe | bound | certified |")
     print("|---|---|---|---|---|---|---|")

@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,18 +47,16 @@ def main() -> int:
     from carnator import Carnator, EngineConfig
     from carnator.calibration import make_pairs
     from carnator.quality import QualityRule
-    from carnator.attention.controller import SparseConfig
     from carnator.policies.carnator import CarnatorConfig, CarnatorPolicy
     from carnator.reuse import Thresholds
     from carnator.world.judge import judge
 
     diffusers.utils.logging.disable_progress_bar()
-    parts = {"full": {}, "nomasks": {"reuse_masks": False}, "nowindow": {"window": (0.0, 0.0)},
-             "none": {"reuse_masks": False, "window": (0.0, 0.0)}, "exact": "exact"}
+    part_names = ("full", "nomasks", "nowindow", "none", "exact")
     cast = {"resume_step": int, "p": float, "parts": str}[args.knob]
     values = [cast(x) for x in args.values.split(",")]
-    if args.knob == "parts" and not set(values) <= set(parts):
-        ap.error(f"--knob parts takes values from {', '.join(parts)}")
+    if args.knob == "parts" and not set(values) <= set(part_names):
+        ap.error(f"--knob parts takes values from {', '.join(part_names)}")
     one_source = args.knob != "p"  # p changes what the source records: a source per value
     tmp = Path(tempfile.mkdtemp(prefix="sweep-resume-"))
     # The resume-step sweep reuses one source at every value: keep every step of its trajectory.
@@ -65,13 +64,15 @@ def main() -> int:
     open_tau = tmp / "open.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=eng.model_identity)
     base = eng.policy("carnator").cfg
+    parts = {"full": {}, "nomasks": {"reuse_masks": False}, "nowindow": {"window": (0.0, 0.0)},
+             "none": {"reuse_masks": False, "window": (0.0, 0.0)}, "exact": {"sparse": replace(base.sparse, mass="exact")}}
 
     def setting(v):
         if args.knob == "resume_step":
             return {"resume_step": v}
-        if args.knob == "parts":  # "exact": masks recorded from the exact block mass (its own source)
-            return {"sparse": SparseConfig(**{**vars(base.sparse), "mass": "exact"})} if parts[v] == "exact" else parts[v]
-        return {"sparse": SparseConfig(**{**vars(base.sparse), "p": v})}
+        if args.knob == "parts":
+            return parts[v]
+        return {"sparse": replace(base.sparse, p=v)}
 
     for v in values:
         eng._policies[f"source{v}"] = CarnatorPolicy(CarnatorConfig(**{**vars(base), **setting(v)}))

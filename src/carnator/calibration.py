@@ -32,6 +32,12 @@ def calibration_pair(row: dict, acceptable: bool | None = None) -> CalibrationPa
     return CalibrationPair(Discrepancies(**d), row["acceptable"] if acceptable is None else acceptable, key=str(row["i"]))
 
 
+def reused_rows(rows) -> list[dict]:
+    """The stored calibration rows that select and certify: those reused with measured discrepancies, in pair
+    order (the split depends on the order; workers of ``calibrate --jobs`` append out of order)."""
+    return sorted((r for r in rows if r["hit"] and r["d"] is not None), key=lambda r: r["i"])
+
+
 def make_pairs(n: int, seed: int = 0):
     """n (kind, source caption, source seed, target caption, target seed) tuples from the train split."""
     from .world.captions import caption, edit
@@ -105,7 +111,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
             progress(f"{i + 1}/{n_pairs} {kind:7s} hit={row['hit']} acceptable={row['acceptable']} fid {jd.fidelity:.2f}->{jr.fidelity:.2f}")
     if shard is not None:
         return None
-    rows = [done[i] for i in sorted(done) if done[i]["hit"] and done[i]["d"] is not None]
+    rows = reused_rows(done.values())
     res = calibrate([calibration_pair(r) for r in rows], cfg)
     tau_path = out_dir / "thresholds.json"
     res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule)})

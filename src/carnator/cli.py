@@ -131,7 +131,7 @@ def cmd_calibrate(args) -> int:
 
         opts, threads = vars(args), torch.get_num_threads()
         with mp.get_context("spawn").Pool(args.jobs) as pool:
-            pool.map(_calibrate_worker, [(opts, threads, (k, args.jobs)) for k in range(args.jobs)], chunksize=1)
+            pool.map(_worker, [(opts, {"shard": (k, args.jobs)}, threads) for k in range(args.jobs)], chunksize=1)
     eng = _engine(args)
     summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=_quality_rule(args),
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence), resume_step=args.resume_step,
@@ -139,19 +139,6 @@ def cmd_calibrate(args) -> int:
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
     return 0
-
-
-def _calibrate_worker(job: tuple[dict, int, tuple[int, int]]) -> None:
-    """One shard of ``carnator calibrate --jobs N``, in its own process with the parent's torch thread count."""
-    import argparse
-
-    import torch
-
-    opts, threads, shard = job
-    torch.set_num_threads(threads)
-    code = cmd_calibrate(argparse.Namespace(**{**opts, "jobs": 1, "shard": shard}))
-    if code:
-        raise CarnatorError(f"calibrate worker {shard[0]} exited with {code}")
 
 
 def cmd_bench(args) -> int:
@@ -202,11 +189,12 @@ def cmd_bench(args) -> int:
             t0 = time.perf_counter()
             if stores:
                 n = max(1, args.jobs // len(stores))
-                pool.map(_bench_worker, [(opts, p, threads, {"warm_shard": (k, n)}) for p in stores for k in range(n)], chunksize=1)
+                pool.map(_worker, [(opts, {"policies": p, "worker": True, "shard": {"warm_shard": (k, n)}}, threads)
+                                   for p in stores for k in range(n)], chunksize=1)
                 print(f"warm caches filled in {time.perf_counter() - t0:.0f} s ({len(stores)} x {args.warm} requests, {n} workers each)",
                       flush=True)
             t0 = time.perf_counter()
-            pool.map(_bench_worker, [(opts, p, threads, {}) for p in order], chunksize=1)
+            pool.map(_worker, [(opts, {"policies": p, "worker": True, "shard": {}}, threads) for p in order], chunksize=1)
             print(f"test streams run in {time.perf_counter() - t0:.0f} s", flush=True)
     rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
                     rule=_quality_rule(args),
@@ -218,20 +206,20 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _bench_worker(job: tuple[dict, str, int, dict]) -> None:
-    """One part of ``carnator bench --jobs N`` (a shard of a policy's warm fill, or its test stream),
-    in its own process, with the parent's torch thread count (CPU results depend on it in the last bits, and the
-    report must not depend on --jobs)."""
+def _worker(job: tuple[dict, dict, int]) -> None:
+    """One part of a ``--jobs N`` run (calibrate: a shard of the pairs; bench: a shard of a policy's warm fill, or its
+    test stream): the parent's subcommand on its options with ``overrides``, in its own process, with the parent's
+    torch thread count (CPU results depend on it in the last bits, and the results must not depend on --jobs)."""
     import argparse
 
     import torch
 
-    opts, policy, threads, shard = job
+    opts, overrides, threads = job
     torch.set_num_threads(threads)
-    args = argparse.Namespace(**{**opts, "policies": policy, "worker": True, "jobs": 1, "shard": shard})
-    code = cmd_bench(args)
+    args = argparse.Namespace(**{**opts, "jobs": 1, **overrides})
+    code = args.func(args)
     if code:
-        raise CarnatorError(f"bench worker for {policy} exited with {code}")
+        raise CarnatorError(f"{args.func.__name__} worker {overrides} exited with {code}")
 
 
 def cmd_bench_scale(args) -> int:
@@ -385,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
     k.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="generate the pairs in N worker processes (set OMP_NUM_THREADS so that N x threads fits the cores)")
-    k.set_defaults(shard=None)
+    k.set_defaults(shard=None)  # set by _worker only
     k.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="compare policies on one shapes-world trace (warm cache + test stream)")
@@ -408,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured while the policies share the machine, so take speed from a --jobs 1 run")
     b.add_argument("--latent-dtype", choices=["float32", "float16"], default=None,
                    help="dtype of the latents stored with every entry (default float32; float16 halves the cache, e.g. for W = 1000)")
-    b.set_defaults(worker=False, shard={})  # set by _bench_worker only
+    b.set_defaults(worker=False, shard={})  # set by _worker only
     _add_intra_cache_arg(b)
     b.set_defaults(func=cmd_bench)
 

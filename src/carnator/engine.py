@@ -203,8 +203,11 @@ class Carnator:
     def is_cached(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> bool:
         """Whether the bank holds this exact request (same prompt, seed and settings: ``request`` takes
         :meth:`generate`'s ``negative_prompt``, ``num_inference_steps``, ...), i.e. whether it would be an exact hit."""
-        req = self.adapter.resolve(prompt, seed=seed, tenant=tenant, **request)
-        return self.bank.lookup_exact(req.tenant, req.exact_key(self.cache_identity)) is not None
+        return self._exact_entry(self.adapter.resolve(prompt, seed=seed, tenant=tenant, **request)) is not None
+
+    def _exact_entry(self, req: Request):
+        """The bank's entry for exactly this request, or None."""
+        return self.bank.lookup_exact(req.tenant, req.exact_key(self.cache_identity))
 
     def generate(
         self,
@@ -241,7 +244,7 @@ class Carnator:
         # Exact tier: an identical request returns the stored video without denoising.
         exact_key = req.exact_key(self.cache_identity)
         t0 = time.perf_counter()
-        hit = self.bank.lookup_exact(req.tenant, exact_key) if reuse else None
+        hit = self._exact_entry(req) if reuse else None
         if hit is not None and hit.extra.get("approximate") and not pol.accepts_approximate_exact:
             hit = None
         if hit is not None:
