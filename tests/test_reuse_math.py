@@ -429,3 +429,20 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
     assert len(calls) == 3 * len(pairs)                      # nothing generated again
     assert got["pairs"] == got["reusable_pairs"] == got["acceptable"] == len(pairs)
     assert sorted(json.loads(x)["i"] for x in (tmp_path / "pairs.jsonl").read_text().splitlines()) == list(range(len(pairs)))
+
+
+def test_calibration_without_reusable_pairs_is_a_clear_error(tmp_path):
+    """Pairs stored but none reused (e.g. fewer steps than the resume step): one-line error, no traceback of the split."""
+    from types import SimpleNamespace
+
+    from carnator.calibration import make_pairs, run_calibration
+    from carnator.errors import CarnatorError
+    from carnator.policies.carnator import CarnatorConfig
+
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for i, p in enumerate(make_pairs(4)):
+            f.write(json.dumps({"i": i, "kind": p[0], "hit": False, "d": None, "dense": {"fidelity": 1.0, "artifact": 0.0},
+                                "reuse": {"fidelity": 1.0, "artifact": 0.0}}) + "\n")
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    with pytest.raises(CarnatorError, match="only 0 of 4 pairs could reuse"):
+        run_calibration(engine, tmp_path, 4, progress=lambda *_: None)

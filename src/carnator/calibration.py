@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import CarnatorError
 from .quality import QualityRule
 from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate
 
@@ -112,6 +113,9 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     if shard is not None:
         return None
     rows = reused_rows(done.values())
+    if len(rows) < 2:
+        raise CarnatorError(f"only {len(rows)} of {len(done)} pairs could reuse their source (the resume step must lie "
+                            f"inside the steps, and the noun filter must pass); selection and certification need at least 2")
     res = calibrate([calibration_pair(r) for r in rows], cfg)
     tau_path = out_dir / "thresholds.json"
     res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule)})
