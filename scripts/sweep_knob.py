@@ -12,9 +12,11 @@ masks are recorded with), and the target reuses it with the thresholds open (eve
 the noun filter reuses; the target is not stored). Printed per value: reuses, mean fidelity and
 artifact of the reuse minus dense (with the standard error), the share the calibration rule calls
 acceptable, mean mask density, and the DiT and end-to-end speedups over the same pair's dense run.
-``parts`` ablates the reuse's restrictions: ``nomasks`` attends densely (no cached block masks),
-``nowindow`` recomputes every token in every layer, ``none`` both, ``exact`` records the source's masks
-from the exact block mass instead of the pooled estimate; the source clip's own judge scores are
+``parts`` ablates the reuse's restrictions: ``full`` applies the source's block masks on any device
+(``SparseConfig.apply = "always"``; the default "auto" applies them only where a block-sparse kernel runs),
+``nomasks`` attends densely, ``nowindow`` recomputes every token in every layer (masks applied), ``none``
+neither, ``exact`` / ``estimate`` record the source's masks from the exact block mass / the pooled
+estimate (``full`` uses ``SparseConfig.mass``'s default); the source clip's own judge scores are
 printed beside them (a reuse of an unchanged scene cannot beat its source by much).
 Rows are appended to --out as they finish, and a rerun with the same --out skips them.
 """
@@ -52,7 +54,7 @@ def main() -> int:
     from carnator.world.judge import judge
 
     diffusers.utils.logging.disable_progress_bar()
-    part_names = ("full", "nomasks", "nowindow", "none", "exact")
+    part_names = ("full", "nomasks", "nowindow", "none", "exact", "estimate")
     cast = {"resume_step": int, "p": float, "parts": str}[args.knob]
     values = [cast(x) for x in args.values.split(",")]
     if args.knob == "parts" and not set(values) <= set(part_names):
@@ -64,8 +66,10 @@ def main() -> int:
     open_tau = tmp / "open.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=eng.model_identity)
     base = eng.policy("carnator").cfg
-    parts = {"full": {}, "nomasks": {"reuse_masks": False}, "nowindow": {"window": (0.0, 0.0)},
-             "none": {"reuse_masks": False, "window": (0.0, 0.0)}, "exact": {"sparse": replace(base.sparse, mass="exact")}}
+    masks, nomasks = replace(base.sparse, apply="always"), replace(base.sparse, apply="never")
+    parts = {"full": {"sparse": masks}, "nomasks": {"sparse": nomasks}, "nowindow": {"sparse": masks, "window": (0.0, 0.0)},
+             "none": {"sparse": nomasks, "window": (0.0, 0.0)}, "exact": {"sparse": replace(masks, mass="exact")},
+             "estimate": {"sparse": replace(masks, mass="estimate")}}
 
     def setting(v):
         if args.knob == "resume_step":

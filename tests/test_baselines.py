@@ -19,8 +19,14 @@ def test_nirvana_table(sim, steps, expected):
     assert nirvana_resume_step(sim, steps) == expected
 
 
-def _engine(tmp_path):
-    return Carnator(tiny_pipeline("wan"), tmp_path, embedder=bag_of_words_embedder())
+def _engine(tmp_path, apply="always"):
+    """The tiny Wan pipeline on the CPU; masks captured and applied there too unless ``apply`` says otherwise
+    (SparseConfig.apply's default "auto" applies them only where a block-sparse kernel runs: CUDA)."""
+    from carnator import EngineConfig
+
+    opts = {"sparse": {"apply": apply}}
+    return Carnator(tiny_pipeline("wan"), tmp_path, embedder=bag_of_words_embedder(),
+                    config=EngineConfig(policy_options={"chorus2": opts, "carnator": opts}))
 
 
 def test_nirvana_resumes_from_the_text_nearest_entry(tmp_path):
@@ -45,6 +51,28 @@ def test_chorus2_reuses_only_masks(tmp_path):
     dense = eng.generate("a red ball on grass", seed=2, policy="dense", store=False, **st)
     # Same noise and prompt; only the attention connectivity differs.
     assert b.frames.shape == dense.frames.shape
+
+
+@pytest.mark.parametrize("policy", ["chorus2", "carnator"])
+def test_masks_are_neither_captured_nor_applied_where_no_block_sparse_kernel_runs(tmp_path, policy):
+    """SparseConfig.apply "auto" (the default) on the CPU: a mask would only add the cost of a masked dense
+    attention, so nothing is recorded, and Chorus II (which reuses nothing else) serves a re-roll densely."""
+    import numpy as np
+
+    from carnator.attention.controller import SparseConfig
+
+    assert SparseConfig().applies("cpu") is False and SparseConfig(apply="always").applies("cpu") is True
+    assert SparseConfig(block=128).applies("cuda") is True and SparseConfig(block=32).applies("cuda") is False
+    assert SparseConfig(apply="never").applies("cuda") is False
+    eng = _engine(tmp_path, apply="auto")
+    st = dict(TINY_SETTINGS["wan"], num_inference_steps=8)
+    a = eng.generate("a red ball on grass", seed=1, policy=policy, **st)
+    assert not any(k.startswith("attn.") for k in eng.bank.load(a.stats.entry_id))
+    if policy == "chorus2":
+        b = eng.generate("a red ball on grass", seed=2, policy=policy, **st)
+        dense = eng.generate("a red ball on grass", seed=2, policy="dense", store=False, **st)
+        assert not b.stats.hit and b.stats.mask_density is None
+        np.testing.assert_array_equal(b.frames, dense.frames)
 
 
 def test_gate_threshold_is_shared_default():

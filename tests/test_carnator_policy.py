@@ -25,6 +25,8 @@ def make_engine(tmp_path, tau: Thresholds | None, **opts) -> Carnator:
     if tau is not None:
         path = tmp_path / "tau.json"
         tau.save(path, model_id=eng0.model_identity)
+    # Masks captured and applied on the CPU too (SparseConfig.apply "auto" would skip them there), unless a test says.
+    opts = {"sparse": {"apply": "always"}, **opts}
     cfg = EngineConfig(policy_options={"carnator": {"resume_step": RESUME, "thresholds": None if path is None else str(path), **opts}})
     return Carnator(eng0.pipe, tmp_path / "cache", config=cfg, embedder=bag_of_words_embedder(), adapter=eng0.adapter)
 

@@ -465,7 +465,8 @@ def test_carnator_policy_hits_warm_cache(family, tmp_path):
     steps = 6
     tau = tmp_path / "tau.json"
     Thresholds(context=math.inf, size=math.inf, shape=math.inf, color=math.inf).save(tau, model_id=ad.model_identity())
-    cfg = EngineConfig(policy_options={"carnator": {"resume_step": 4, "thresholds": str(tau)}})
+    # masks captured and applied on the CPU too (the default "auto" applies them only where flex runs)
+    cfg = EngineConfig(policy_options={"carnator": {"resume_step": 4, "thresholds": str(tau), "sparse": {"apply": "always"}}})
     eng = Carnator(pipe, tmp_path / "cache", config=cfg, embedder=hashed_embedder(64), adapter=ad)
     settings = {**SETTINGS[family], "num_inference_steps": steps}
     a = eng.generate("a small red ball moving left on grass", seed=1, **settings)
@@ -562,7 +563,8 @@ def test_joint_attention_known_answer(text_first, tgaa):
 
 @pytest.mark.parametrize("family", ATTN_FAMILIES)
 def test_chorus2_reuses_the_neighbours_block_masks(family, tmp_path):
-    eng = Carnator(tiny_pipeline(family, 0), tmp_path, embedder=hashed_embedder(64))
+    cfg = EngineConfig(policy_options={"chorus2": {"sparse": {"apply": "always"}}})  # on the CPU too
+    eng = Carnator(tiny_pipeline(family, 0), tmp_path, config=cfg, embedder=hashed_embedder(64))
     settings = {**SETTINGS[family], "num_inference_steps": 3}
     a = eng.generate("a red ball on grass", seed=1, policy="chorus2", **settings)
     b = eng.generate("a blue ball on grass", seed=2, policy="chorus2", **settings)

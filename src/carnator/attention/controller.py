@@ -7,12 +7,12 @@ policies set its fields; the processors read them. Nothing here knows a model fa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .blockmask import BlockMaskSet, estimate_block_mass, exact_block_mass, topp_block_mask
-from .kernels import BlockTable
+from .kernels import BlockTable, block_sparse_kernel
 
 
 @dataclass
@@ -35,6 +35,12 @@ class SparseConfig:
         (docs/RESULTS.md, session 5): at p 0.9 the estimate's masks (density 0.46) cost forced reuses 0.10
         of judge fidelity against reuses without masks, the exact mass's (density 0.49) nothing.
     exact_max_tokens: the "auto" limit (the embedded model has 512 tokens; Wan2.1-1.3B at 480p 32,760).
+    apply: where masks are captured and applied: "auto" only where a block-sparse kernel makes them save
+        time (:func:`~carnator.attention.kernels.block_sparse_kernel`: CUDA with blocks of a multiple of
+        128 tokens, so not the embedded model's 32-token blocks, nor any CPU run); "always" everywhere (the
+        CPU then computes a masked *dense* attention: the quality of a mask, no saving); "never" nowhere.
+        Measured on the embedded model (docs/RESULTS.md, session 6): on the 2-core CPU masks made a hit's
+        DiT slower, not faster, and a capturing miss slower than dense.
     """
 
     block: int = 128
@@ -44,6 +50,7 @@ class SparseConfig:
     stride: int = 5
     mass: str = "auto"
     exact_max_tokens: int = 4096
+    apply: str = "auto"
 
     def __post_init__(self) -> None:
         if not (0.0 < self.p <= 1.0):
@@ -52,6 +59,22 @@ class SparseConfig:
             raise ValueError("SparseConfig.block and stride must be positive")
         if self.mass not in ("estimate", "exact", "auto"):
             raise ValueError(f"SparseConfig.mass must be 'estimate', 'exact' or 'auto', got {self.mass!r}")
+        if self.apply not in ("auto", "always", "never"):
+            raise ValueError(f"SparseConfig.apply must be 'auto', 'always' or 'never', got {self.apply!r}")
+
+    def for_tokens(self, n_tokens: int) -> "SparseConfig":
+        """This config for a sequence of ``n_tokens``: small sequences (the embedded model's 512) get blocks of
+        ``n_tokens // 16`` (at least 8) so that a mask still has 16 x 16 blocks."""
+        if self.block * 8 <= n_tokens:
+            return self
+        return replace(self, block=max(8, n_tokens // 16))
+
+    def applies(self, device: torch.device | str, block: int | None = None) -> bool:
+        """Whether masks are captured and applied for a request on ``device`` with blocks of ``block`` tokens
+        (default ``self.block``)."""
+        if self.apply == "auto":
+            return block_sparse_kernel(device, self.block if block is None else block)
+        return self.apply == "always"
 
 
 @dataclass

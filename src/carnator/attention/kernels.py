@@ -32,6 +32,7 @@ from .blockmask import num_blocks
 __all__ = [
     "FLEX_BLOCK",
     "BlockTable",
+    "block_sparse_kernel",
     "check_flex_against_sdpa",
     "flex_block_mask",
     "gather_tokens",
@@ -43,6 +44,15 @@ __all__ = [
 
 FLEX_BLOCK = 128
 """Default block size, and the granularity flex needs on CUDA (block % 128 == 0)."""
+
+
+
+def block_sparse_kernel(device: torch.device | str, block: int) -> bool:
+    """Whether :func:`masked_attention` runs a kernel that skips masked blocks (so a mask saves time) for
+    queries on ``device`` with blocks of ``block`` tokens: compiled flex on CUDA at a multiple of 128. Elsewhere
+    it runs the dense ``"sdpa"`` path, whose element mask costs time instead of saving it."""
+    return torch.device(device).type == "cuda" and block % FLEX_BLOCK == 0
+
 
 _ELEMENTS_PER_CHUNK = 1 << 25  # bool mask elements (and attention scores) per SDPA chunk
 _KEPT_ELEMENTS = 1 << 22  # largest element mask a BlockTable keeps for the SDPA path (16 MB in float32)
@@ -175,7 +185,7 @@ def masked_attention(
     table = block_mask.table if prepared is not None else block_mask
     bm = _broadcast_mask(table.to(q.device), b, h, num_blocks(nq_tok, block), num_blocks(nk_tok, block))
     if backend == "auto":
-        backend = "flex" if (q.is_cuda and block % FLEX_BLOCK == 0) else "sdpa"
+        backend = "flex" if block_sparse_kernel(q.device, block) else "sdpa"
     if backend not in ("flex", "sdpa"):
         raise ValueError(f"unknown backend {backend!r}")
     # The table's kept masks serve only a call of its own batch, heads and device (else bm was broadcast or moved).

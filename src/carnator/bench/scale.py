@@ -426,6 +426,17 @@ class ScaleConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _carnator_config(cfg: ScaleConfig):
+    """The carnator settings of a replayed hit: the plan's resume step and window, and its masks applied wherever
+    the run is (``apply="always"``: on CUDA flex at 128-token blocks, as "auto" would; on a CPU test the masked
+    dense path, so the replay is exercised there too)."""
+    from ..attention.controller import SparseConfig
+    from ..policies.carnator import CarnatorConfig
+
+    return CarnatorConfig(resume_step=cfg.resume_step, window=cfg.window, thresholds=None,
+                          sparse=SparseConfig(block=cfg.block, p=0.9, stride=cfg.mask_stride, apply="always"))
+
+
 def _stage_row(res, peak: int | None) -> dict[str, Any]:
     s, vid = res.stats, res.video
     return {"hit": bool(s.hit), "resume_step": s.resume_step, "active_fraction": s.active_fraction,
@@ -459,9 +470,8 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
 
 def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progress: Callable[[str], None]) -> dict:
     from .. import Carnator, EngineConfig
-    from ..attention.controller import SparseConfig
     from ..cache import CacheBank
-    from ..policies.carnator import EVIDENCE_PREFIX, MASK_PREFIX, CarnatorConfig
+    from ..policies.carnator import EVIDENCE_PREFIX, MASK_PREFIX
     from ..signature import early_signature
     from ..signature.nouns import extract_nouns
     from ..testing import hashed_embedder
@@ -480,8 +490,7 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     progress(f"built {spec.name} in {rep['build_seconds']:.0f}s")
 
     cache_root = Path(tempfile.mkdtemp(prefix="carnator-scale-"))
-    ccfg = CarnatorConfig(resume_step=cfg.resume_step, window=cfg.window,
-                          sparse=SparseConfig(block=cfg.block, p=0.9, stride=cfg.mask_stride), thresholds=None)
+    ccfg = _carnator_config(cfg)
     steps = cfg.steps
     r = max(cfg.resume_step, ccfg.probe_steps)
     econf = EngineConfig(capture_steps=list(range(r - 1, steps)), latent_dtype="float16", store_video=False)
@@ -585,15 +594,13 @@ def _composed(cfg, pipe, req, kw, *, traj_keys, ev, sig, nouns, dense_e2e, dense
               peak_reset, peak, progress) -> dict:
     """Dense and a replayed hit with ``cfg.intra_cache`` on (its own engine and cache keys)."""
     from .. import Carnator, EngineConfig
-    from ..attention.controller import SparseConfig
     from ..cache import CacheBank
-    from ..policies.carnator import MASK_PREFIX, CarnatorConfig
+    from ..policies.carnator import MASK_PREFIX
     from ..testing import hashed_embedder
 
     steps = cfg.steps
     r = max(cfg.resume_step, 4)
-    ccfg = CarnatorConfig(resume_step=cfg.resume_step, window=cfg.window,
-                          sparse=SparseConfig(block=cfg.block, p=0.9, stride=cfg.mask_stride), thresholds=None)
+    ccfg = _carnator_config(cfg)
     econf = EngineConfig(capture_steps=list(range(r - 1, steps)), latent_dtype="float16", store_video=False, intra_cache=cfg.intra_cache)
     eng = Carnator(pipe, CacheBank(cache_root / "composed"), config=econf, embedder=hashed_embedder(64))
     eng.use_policy(ReplayPolicy(active_fraction=cfg.active_fraction, config=ccfg))

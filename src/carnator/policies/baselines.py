@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,9 +87,9 @@ class NirvanaPolicy(Policy):
 class Chorus2Policy(Policy):
     name = "chorus2"
 
-    def __init__(self, gate: TextGate | None = None, sparse: SparseConfig | None = None):
+    def __init__(self, gate: TextGate | None = None, sparse: SparseConfig | dict | None = None):
         self.gate = gate or TextGate()
-        self.sparse = sparse or SparseConfig()
+        self.sparse = SparseConfig(**sparse) if isinstance(sparse, dict) else (sparse or SparseConfig())
 
     def plan(self, ctx) -> Plan:
         ad = ctx.adapter
@@ -97,8 +97,10 @@ class Chorus2Policy(Policy):
             return Plan(notes={"fallback": "dense"})
         ctrl = ad.attention()
         n_tokens = int(np.prod(ad.token_grid(ctx.request)))
-        blk = self.sparse.block if self.sparse.block * 8 <= n_tokens else max(8, n_tokens // 16)
-        ctrl.sparse = replace(self.sparse, block=blk)
+        sparse = self.sparse.for_tokens(n_tokens)
+        if not sparse.applies(ctx.state.latents.device):  # no block-sparse kernel here: masks would only cost time
+            return Plan(notes={"fallback": "dense", "reason": "masks do not apply (SparseConfig.apply)"})
+        ctrl.sparse = sparse
         near = self.gate.nearest(ctx)
         if near is None:
             return Plan()

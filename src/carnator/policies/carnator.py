@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,8 @@ class CarnatorConfig:
     resume_step: first step taken from the cached trajectory (paper: not given).
     window: fraction of layers [start, end) where only Active tokens are recomputed (paper: 6..25 of
         30 layers is the knee, i.e. (0.2, 0.867)).
-    reuse_masks: attend only where the source's block masks allow (PAPER step 9).
+    sparse: capture of this request's block masks and reuse of the source's (PAPER step 9); ``sparse.apply``
+        says where ("auto": only where a block-sparse kernel makes them save time).
     thresholds: a threshold file from ``carnator calibrate``; None = the shipped file for the
         embedded model if it matches, else the paper's tau.
     """
@@ -49,12 +50,18 @@ class CarnatorConfig:
     probe_layer: int | None = None
     resume_step: int = 20
     window: tuple[float, float] = (0.2, 0.867)
-    reuse_masks: bool = True
     sparse: SparseConfig = field(default_factory=SparseConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
     scope: ScopeConfig = field(default_factory=ScopeConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
     thresholds: str | None = None
+
+    def __post_init__(self) -> None:
+        # Nested settings may come as plain dicts (EngineConfig.policy_options read from JSON or a CLI).
+        for name, klass in (("sparse", SparseConfig), ("region", RegionConfig), ("scope", ScopeConfig), ("compat", CompatConfig)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, klass(**value))
 
 
 @register_policy
@@ -139,10 +146,8 @@ class CarnatorPolicy(Policy):
         if ctx.state.num_steps <= cfg.probe_steps:  # no step left after the probe: nothing to read or to reuse
             return Plan(hit=False, notes={"fallback": "dense", "reason": f"{ctx.state.num_steps} steps <= the {cfg.probe_steps}-step probe"})
         ctrl = ad.attention()
-        n_tokens = int(np.prod(ad.token_grid(req)))
-        # Small token counts (the embedded model: 512) get blocks of N/16 so a mask has 16 x 16 blocks.
-        blk = cfg.sparse.block if cfg.sparse.block * 8 <= n_tokens else max(8, n_tokens // 16)
-        ctrl.sparse = replace(cfg.sparse, block=blk)
+        sparse = cfg.sparse.for_tokens(int(np.prod(ad.token_grid(req))))
+        ctrl.sparse = sparse if sparse.applies(ctx.state.latents.device) else None
         nouns = extract_nouns(req.prompt)
 
         t0 = time.perf_counter()
@@ -214,7 +219,7 @@ class CarnatorPolicy(Policy):
         ctrl = ad.attention()
         ctrl.window = WindowPlan.over(cfg.window, ad.num_layers(), scope.active, scope.context)
         density = None
-        if cfg.reuse_masks:
+        if ctrl.sparse is not None:  # masks apply here (SparseConfig.apply)
             try:
                 masks = BlockMaskSet.from_tensors(tensors, MASK_PREFIX)
                 if masks.q_len == int(np.prod(grid)):
