@@ -446,3 +446,22 @@ def test_calibration_without_reusable_pairs_is_a_clear_error(tmp_path):
     engine = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     with pytest.raises(CarnatorError, match="only 0 of 4 pairs could reuse"):
         run_calibration(engine, tmp_path, 4, progress=lambda *_: None)
+
+
+def test_calibration_pairs_come_in_the_bench_streams_proportions_and_unrelated_ones_pass_the_noun_filter():
+    """The thresholds are certified on pairs drawn like the stream they serve: every 10 pairs hold the traces' mix
+    (re-roll and noun 2 each, the other kinds 1), and an unrelated pair is two different scenes whose nouns recall's
+    filter would still hand to the compatibility test."""
+    from collections import Counter
+
+    from carnator.bench.traces import MIX
+    from carnator.calibration import make_pairs
+    from carnator.reuse import noun_diff
+    from carnator.signature.nouns import extract_nouns
+
+    pairs = make_pairs(40, seed=3)
+    assert Counter(p[0] for p in pairs[:10]) == {k: round(s * 10) for k, s in MIX}
+    unrelated = [p for p in pairs if p[0] == "unrelated"]
+    assert len(unrelated) == 4
+    for _, source, _, target, _ in unrelated:
+        assert source != target and noun_diff(extract_nouns(target), extract_nouns(source)) is not None

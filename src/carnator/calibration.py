@@ -1,7 +1,8 @@
 """``carnator calibrate``: risk-aware thresholds for the embedded model (PAPER step 6).
 
 Builds request-cache pairs from the shapes world's edit generators (noun substitution, context,
-colour, size, motion reversal, rewording, re-roll). For each pair: the cached request is generated
+colour, size, motion reversal, rewording, re-roll) and unrelated scenes that share enough nouns to pass
+the noun filter, in the bench traces' proportions (``EDIT_MIX``). For each pair: the cached request is generated
 through the carnator policy (so it carries a signature and masks), the query is generated densely
 and through a *forced* reuse of that entry (thresholds open), both are judged, and the pair is
 labelled acceptable iff the reuse's prompt fidelity >= dense's - Delta and its artifact score <=
@@ -23,7 +24,17 @@ from .errors import CarnatorError
 from .quality import QualityRule
 from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate
 
-EDIT_MIX = ("noun", "noun", "context", "color", "size", "motion", "reword", "reroll")
+
+def _edit_mix() -> tuple[str, ...]:
+    # The bench traces' mix (carnator.bench.traces.MIX, shares in tenths), so that the pairs the thresholds are
+    # certified on come in the proportions of the stream they serve: every run of 10 pairs holds each share.
+    from .bench.traces import MIX
+
+    return tuple(kind for kind, share in MIX for _ in range(round(share * 10)))
+
+
+EDIT_MIX = _edit_mix()
+UNRELATED_TRIES = 64
 
 
 def calibration_pair(row: dict, acceptable: bool | None = None) -> CalibrationPair:
@@ -41,6 +52,8 @@ def reused_rows(rows) -> list[dict]:
 
 def make_pairs(n: int, seed: int = 0):
     """n (kind, source caption, source seed, target caption, target seed) tuples from the train split."""
+    from .reuse import noun_diff
+    from .signature.nouns import extract_nouns
     from .world.captions import caption, edit
     from .world.scene import sample_scene
 
@@ -52,6 +65,17 @@ def make_pairs(n: int, seed: int = 0):
         if kind == "reroll":
             text = caption(scene, rng)
             out.append((kind, text, int(rng.integers(1 << 30)), text, int(rng.integers(1 << 30))))
+            continue
+        if kind == "unrelated":
+            # A new scene, paired with an unrelated cached one that recall's noun filter would still pass to the
+            # compatibility test (as the stream's unrelated requests reach it); drawn again if none is found.
+            target = caption(scene, rng)
+            nouns = extract_nouns(target)
+            for _ in range(UNRELATED_TRIES):
+                source = caption(sample_scene(rng, split="train"), rng)
+                if source != target and noun_diff(nouns, extract_nouns(source)) is not None:
+                    out.append((kind, source, int(rng.integers(1 << 30)), target, int(rng.integers(1 << 30))))
+                    break
             continue
         try:
             e = edit(scene, kind, rng)

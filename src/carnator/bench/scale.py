@@ -409,7 +409,7 @@ class ScaleConfig:
     steps: int = 50
     densities: tuple[float, ...] = (0.1, 0.2, 0.3, 0.5)
     active_fraction: float = 0.3
-    resume_step: int = 20
+    resume_step: int = 30  # CarnatorConfig.resume_step
     window: tuple[float, float] = (0.2, 0.867)
     mask_stride: int = 5
     block: int = 128

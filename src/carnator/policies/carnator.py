@@ -36,7 +36,8 @@ class CarnatorConfig:
 
     top_k: recalled candidates (paper: 10). probe_steps: dense probe steps (paper: 4).
     probe_layer: layer whose attention is read (paper: not given; None = the middle layer).
-    resume_step: first step taken from the cached trajectory (paper: not given).
+    resume_step: first step taken from the cached trajectory (paper: not given; 30 of 50 chosen by the
+        session-6 sweep on the embedded world, docs/METHOD.md).
     window: fraction of layers [start, end) where only Active tokens are recomputed (paper: 6..25 of
         30 layers is the knee, i.e. (0.2, 0.867)).
     sparse: capture of this request's block masks and reuse of the source's (PAPER step 9); ``sparse.apply``
@@ -48,7 +49,7 @@ class CarnatorConfig:
     top_k: int = 10
     probe_steps: int = 4
     probe_layer: int | None = None
-    resume_step: int = 20
+    resume_step: int = 30
     window: tuple[float, float] = (0.2, 0.867)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
