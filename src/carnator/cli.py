@@ -255,7 +255,7 @@ def cmd_bench_scale(args) -> int:
     kernel_sweep = _flex_options_arg("--kernel-sweep", args.kernel_sweep, many=True) or []
     cfg = ScaleConfig(model=args.model, frames=args.frames, steps=args.steps, densities=dens, active_fraction=args.active_fraction,
                       resume_step=args.resume_step, mask_stride=args.mask_stride, kernels=not args.no_kernels, device=args.device,
-                      intra_cache=args.intra_cache, flex_options=flex_options, kernel_sweep=kernel_sweep)
+                      intra_cache=args.intra_cache, flex_options=flex_options, kernel_sweep=kernel_sweep, sparse_kernel=args.sparse_kernel)
     rep = run_scale(cfg, Path(args.out))
     print(to_markdown(rep))
     return 0
@@ -423,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='FlexAttention kernel_options for every flex call, e.g. \'{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}\'')
     z.add_argument("--kernel-sweep", default=None, metavar="JSON",
                    help='more kernel_options sets timed in the kernel microbenchmark, a JSON list, e.g. \'[{"USE_TMA": true}]\'')
+    z.add_argument("--sparse-kernel", choices=["auto", "flex"], default="auto",
+                   help="the CUDA block-sparse kernel: auto (the Triton kernel where it serves) or flex")
     z.add_argument("--device", default="cuda")
     z.add_argument("--out", default="carnator-bench-scale")
     z.set_defaults(func=cmd_bench_scale)

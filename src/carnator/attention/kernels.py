@@ -6,7 +6,12 @@ to the keys of the key blocks ``j`` with ``block_mask[..., i, j]``. Two paths, s
 - ``"sdpa"`` (CPU, and any device): expand the block mask to an element mask, ``chunk`` query
   rows at a time, and call :func:`torch.nn.functional.scaled_dot_product_attention`. Memory is
   bounded by the chunk; compute is dense (no speedup), so use it for correctness and small sizes.
-- ``"flex"`` (chosen automatically when ``q.is_cuda``): FlexAttention, compiled once per process
+- ``"triton"`` (chosen automatically on CUDA at blocks of a multiple of 128, unless extra keys are
+  attended or :func:`set_block_sparse_kernel` says ``"flex"``): the block-sparse flash-attention kernel of
+  :mod:`carnator.attention.triton_bsa`, over key-block lists built once per :class:`BlockTable`.
+  On the H200 it runs at 1.17-1.35x of d x cuDNN SDPA for d 0.1-0.5 where flex runs at 1.56-1.75x
+  (docs/BENCHMARKS.md).
+- ``"flex"`` (on CUDA where Triton's kernel does not serve): FlexAttention, compiled once per process
   with ``torch.compile``, over a ``BlockMask`` built directly from the block table
   (:func:`flex_block_mask`). Skipped blocks cost nothing; it pays below ~60 % block density on an
   H200 (DESIGN.md field notes). On CUDA the block size must be a multiple of 128 (flex's kernel
@@ -33,6 +38,7 @@ __all__ = [
     "FLEX_BLOCK",
     "BlockTable",
     "block_sparse_kernel",
+    "set_block_sparse_kernel",
     "check_flex_against_sdpa",
     "flex_block_mask",
     "gather_tokens",
@@ -58,6 +64,22 @@ _ELEMENTS_PER_CHUNK = 1 << 25  # bool mask elements (and attention scores) per S
 _KEPT_ELEMENTS = 1 << 22  # largest element mask a BlockTable keeps for the SDPA path (16 MB in float32)
 _compiled_flex: Any = None
 _flex_options: dict[str, Any] | None = None
+_sparse_kernel = "auto"
+
+
+def set_block_sparse_kernel(name: str) -> str:
+    """Which CUDA block-sparse kernel :func:`masked_attention` runs for this process: "auto" (Triton's where it
+    serves, else flex), "triton" (the same) or "flex" (always flex); returns the previous setting."""
+    global _sparse_kernel
+    if name not in ("auto", "triton", "flex"):
+        raise ValueError(f"unknown block-sparse kernel {name!r}: 'auto', 'triton' or 'flex'")
+    if name == "triton":
+        from . import triton_bsa
+
+        if not triton_bsa.available():
+            raise ValueError("the Triton block-sparse kernel needs Triton, which this torch build lacks")
+    old, _sparse_kernel = _sparse_kernel, name
+    return old
 
 
 def check_flex_kernel_options(options: Any) -> None:
@@ -134,6 +156,7 @@ class BlockTable:
     def __init__(self, table: torch.Tensor):
         self.table = table.bool()
         self._flex: dict[tuple[int, int, int], Any] = {}
+        self._lists: tuple[torch.Tensor, torch.Tensor] | None = None
         self._elements: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
 
     def flex(self, block: int, q_len: int, kv_len: int):
@@ -142,6 +165,14 @@ class BlockTable:
         if key not in self._flex:
             self._flex[key] = flex_block_mask(self.table, block, q_len, kv_len)
         return self._flex[key]
+
+    def lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernel's key-block lists (:func:`~carnator.attention.triton_bsa.kv_lists`), built on the first call."""
+        if self._lists is None:
+            from .triton_bsa import kv_lists
+
+            self._lists = kv_lists(self.table)
+        return self._lists
 
     def elements(self, key: tuple, build):
         """The masked-SDPA path's element mask for ``key`` (``build()`` on the first call), as an additive float
@@ -160,7 +191,7 @@ def masked_attention(
     block: int = FLEX_BLOCK,
     scale: float | None = None,
     *,
-    backend: Literal["auto", "sdpa", "flex"] = "auto",
+    backend: Literal["auto", "sdpa", "flex", "triton"] = "auto",
     chunk: int | None = None,
     extra_k: torch.Tensor | None = None,
     extra_v: torch.Tensor | None = None,
@@ -170,9 +201,10 @@ def masked_attention(
     ``block_mask`` is bool ``(B, H, nq, nk)`` (or broadcastable: ``(H, nq, nk)``, ``(nq, nk)``,
     size-1 B / H) with ``nq = ceil(Nq / block)``, ``nk = ceil(Nk / block)``, or a :class:`BlockTable`
     (the flex path then reuses the table's ``BlockMask`` when its B and H are the call's). ``scale`` defaults to
-    ``1 / sqrt(D)``. Rows with no allowed key output zeros. ``backend="auto"`` uses compiled flex
-    when ``q.is_cuda`` and ``block % 128 == 0``, else chunked SDPA (``chunk`` query rows at a time;
-    default: about 32 M mask elements per chunk).
+    ``1 / sqrt(D)``. Rows with no allowed key output zeros. ``backend="auto"``: on CUDA with
+    ``block % 128 == 0`` the Triton kernel (flex where extra keys are attended, Triton is missing, a head dim
+    is not a power of two, or :func:`set_block_sparse_kernel` chose flex), else chunked SDPA (``chunk`` query
+    rows at a time; default: about 32 M mask elements per chunk).
 
     ``extra_k, extra_v (B, H, L, D|Dv)``: keys every query attends besides the masked ones (the text
     tokens of a joint text-video attention); the softmax runs over the allowed keys and all of these.
@@ -185,17 +217,34 @@ def masked_attention(
     table = block_mask.table if prepared is not None else block_mask
     bm = _broadcast_mask(table.to(q.device), b, h, num_blocks(nq_tok, block), num_blocks(nk_tok, block))
     if backend == "auto":
-        backend = "flex" if block_sparse_kernel(q.device, block) else "sdpa"
-    if backend not in ("flex", "sdpa"):
+        backend = "sdpa"
+        if block_sparse_kernel(q.device, block):
+            backend = "triton" if extra_k is None and _triton_serves(q, v) else "flex"
+    if backend not in ("flex", "sdpa", "triton"):
         raise ValueError(f"unknown backend {backend!r}")
     # The table's kept masks serve only a call of its own batch, heads and device (else bm was broadcast or moved).
     keep = prepared if prepared is not None and tuple(table.shape) == tuple(bm.shape) and table.device == q.device else None
     flex_mask = keep.flex(block, nq_tok, nk_tok) if backend == "flex" and keep is not None else None
     if extra_k is not None:
+        if backend == "triton":
+            raise ValueError("the Triton kernel attends no extra keys; use flex or sdpa")
         return _with_extra_keys(q, k, v, bm, block, scale, chunk, backend, extra_k, extra_v, flex_mask, keep)
+    if backend == "triton":
+        from .triton_bsa import block_sparse_attention, kv_lists
+
+        return block_sparse_attention(q, k, v, keep.lists() if keep is not None else kv_lists(bm), block, scale)
     if backend == "flex":
         return _flex_attention(q, k, v, bm, block, scale, mask=flex_mask)
     return _sdpa_masked(q, k, v, bm, block, scale, chunk, prepared=keep)
+
+
+def _triton_serves(q: torch.Tensor, v: torch.Tensor) -> bool:
+    if _sparse_kernel == "flex":
+        return False
+    from .triton_bsa import available
+
+    pow2 = all(n >= 16 and n & (n - 1) == 0 for n in (q.shape[-1], v.shape[-1]))
+    return available() and pow2 and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def _sdpa_masked(q, k, v, bm, block, scale, chunk, n_extra: int = 0, prepared: BlockTable | None = None) -> torch.Tensor:

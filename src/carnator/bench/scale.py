@@ -323,13 +323,14 @@ def _time_cuda(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
 
 
 def kernel_bench(heads: int, n: int, head_dim: int, densities, *, block: int = 128, reps: int = 10, device="cuda",
-                 option_sets: Sequence[dict | None] = (None,)) -> dict:
+                 option_sets: Sequence[dict | None] = (None,), triton_configs: Sequence[dict] = ()) -> dict:
     """Compiled FlexAttention at each block density vs d x cuDNN SDPA dense, at (1, heads, n, head_dim) bf16.
 
     ``option_sets``: FlexAttention ``kernel_options`` to time (``None``: the process's own, see
     :func:`~carnator.attention.kernels.set_flex_kernel_options`). The first set's numbers are the
     top-level ``rows`` / ``flex_dense_ms``; every set is in ``variants``. A set the kernel cannot
-    compile is recorded with its error instead of rows.
+    compile is recorded with its error instead of rows. ``triton_configs``: launch settings of the Triton
+    block-sparse kernel to time on the same tables (``triton``: one entry per config).
     """
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -395,6 +396,42 @@ def kernel_bench(heads: int, n: int, head_dim: int, densities, *, block: int = 1
     if "error" in first:
         raise RuntimeError(f"flex with kernel options {first['options']} failed: {first['error']}")
     out["flex_dense_ms"], out["rows"], out["variants"] = first["flex_dense_ms"], first["rows"], variants
+    if triton_configs:
+        out["triton"] = _triton_kernel_rows(q, k, v, tables, full, block, out["sdpa_cudnn_ms"], reps, triton_configs, device)
+    return out
+
+
+def _triton_kernel_rows(q, k, v, tables, full, block, cudnn_ms, reps, configs, device) -> list[dict]:
+    """The Triton block-sparse kernel (:mod:`carnator.attention.triton_bsa`) at each launch config: checked
+    against the masked SDPA reference on a small odd shape and on the first table here, then timed per table."""
+    from ..attention.kernels import _sdpa_masked
+    from ..attention.triton_bsa import block_sparse_attention, kv_lists
+
+    g = torch.Generator(device=device).manual_seed(1)
+    small = [torch.randn(2, 3, 1000, q.shape[-1], device=device, dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    small_table = torch.rand(2, 3, 8, 8, device=device, generator=g) < 0.4
+    small_table[:, :, 0] = False
+    ref_small = _sdpa_masked(*[t.float() for t in small], small_table, block, None, None)
+    ref_big = _sdpa_masked(q, k, v, tables[0], block, None, None).float()
+    lists = [kv_lists(t) for t in tables]
+    full_lists = kv_lists(full)
+    out = []
+    for cfg in configs:
+        row: dict[str, Any] = {"config": cfg}
+        try:
+            got = block_sparse_attention(*small, kv_lists(small_table), block, config=cfg).float()
+            row["max_err_small"] = float((got - ref_small).abs().max())
+            row["max_err_vs_sdpa"] = float((block_sparse_attention(q, k, v, lists[0], block, config=cfg).float() - ref_big).abs().max())
+            row["dense_ms"] = _time_cuda(lambda: block_sparse_attention(q, k, v, full_lists, block, config=cfg), reps)
+            row["rows"] = []
+            for t, li in zip(tables, lists):
+                dens = float(t.float().mean())
+                ms = _time_cuda(lambda li=li: block_sparse_attention(q, k, v, li, block, config=cfg), reps)
+                row["rows"].append({"density": round(dens, 4), "ms": ms, "limit_ms": dens * cudnn_ms, "ratio_to_limit": ms / (dens * cudnn_ms),
+                                    "lists_build_ms": _time_cuda(lambda t=t: kv_lists(t), reps)})
+        except Exception as e:  # noqa: BLE001 - a launch config the compiler rejects is a result
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        out.append(row)
     return out
 
 
@@ -421,6 +458,8 @@ class ScaleConfig:
     intra_cache: str | None = None
     #: FlexAttention ``kernel_options`` for every flex call of the run (``None``: flex's heuristics)
     flex_options: dict[str, Any] | None = None
+    #: the CUDA block-sparse kernel (:func:`~carnator.attention.kernels.set_block_sparse_kernel`): "auto" (Triton's) or "flex"
+    sparse_kernel: str = "auto"
     #: further ``kernel_options`` sets timed in the kernel microbenchmark only
     kernel_sweep: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -456,16 +495,18 @@ def _drop_page_cache() -> bool:
 
 def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = print) -> dict:
     """Run the dense, replayed-hit and kernel measurements of ``cfg``; write ``out``/report.json and report.md."""
-    from ..attention.kernels import set_flex_kernel_options
+    from ..attention.kernels import set_block_sparse_kernel, set_flex_kernel_options
 
     spec = SPECS[cfg.model]
     frames = cfg.frames or spec.frames
     spec.check_frames(frames)
     previous = set_flex_kernel_options(cfg.flex_options)
+    previous_kernel = set_block_sparse_kernel(cfg.sparse_kernel)
     try:
         return _run_scale(cfg, spec, frames, out, progress)
     finally:
         set_flex_kernel_options(previous)
+        set_block_sparse_kernel(previous_kernel)
 
 
 def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progress: Callable[[str], None]) -> dict:
