@@ -35,6 +35,10 @@ class CarnatorConfig:
     """Every knob of the method. Paper values are marked; others are chosen defaults (docs/METHOD.md).
 
     top_k: recalled candidates (paper: 10). probe_steps: dense probe steps (paper: 4).
+    tested: how many of the recalled candidates that pass the noun filter the compatibility test tries, in
+        recall order, the first compatible winning (paper: all; None = all). Thresholds are calibrated on one
+        (query, cached request) pair at a time, and every further candidate tried is one more chance for an
+        incompatible one to pass them (session 6, docs/RESULTS.md).
     probe_layer: layer whose attention is read (paper: not given; None = the middle layer).
     resume_step: first step taken from the cached trajectory (paper: not given; 30 of 50 chosen by the
         session-6 sweep on the embedded world, docs/METHOD.md).
@@ -47,6 +51,7 @@ class CarnatorConfig:
     """
 
     top_k: int = 10
+    tested: int | None = 1
     probe_steps: int = 4
     probe_layer: int | None = None
     resume_step: int = 30
@@ -58,6 +63,8 @@ class CarnatorConfig:
     thresholds: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tested is not None and self.tested < 1:
+            raise ValueError(f"CarnatorConfig.tested must be >= 1 or None (all), got {self.tested}")
         # Nested settings may come as plain dicts (EngineConfig.policy_options read from JSON or a CLI).
         for name, klass in (("sparse", SparseConfig), ("region", RegionConfig), ("scope", ScopeConfig), ("compat", CompatConfig)):
             value = getattr(self, name)
@@ -126,7 +133,7 @@ class CarnatorPolicy(Policy):
 
     def decide(self, ctx, sig: EarlySignature, candidates):
         tau = self.thresholds(ctx.engine)
-        for meta, score, diff in candidates:
+        for meta, score, diff in candidates[: self.cfg.tested]:
             try:
                 sig_j = EarlySignature.from_dict(meta.extra["signature"])
             except (ValueError, KeyError, TypeError):
