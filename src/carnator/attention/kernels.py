@@ -55,8 +55,8 @@ FLEX_BLOCK = 128
 
 def block_sparse_kernel(device: torch.device | str, block: int) -> bool:
     """Whether :func:`masked_attention` runs a kernel that skips masked blocks (so a mask saves time) for
-    queries on ``device`` with blocks of ``block`` tokens: compiled flex on CUDA at a multiple of 128. Elsewhere
-    it runs the dense ``"sdpa"`` path, whose element mask costs time instead of saving it."""
+    queries on ``device`` with blocks of ``block`` tokens: the Triton kernel (or compiled flex) on CUDA at a
+    multiple of 128. Elsewhere it runs the dense ``"sdpa"`` path, whose element mask costs time instead of saving it."""
     return torch.device(device).type == "cuda" and block % FLEX_BLOCK == 0
 
 

@@ -467,7 +467,7 @@ class ScaleConfig:
 
 def _carnator_config(cfg: ScaleConfig):
     """The carnator settings of a replayed hit: the plan's resume step and window, and its masks applied wherever
-    the run is (``apply="always"``: on CUDA flex at 128-token blocks, as "auto" would; on a CPU test the masked
+    the run is (``apply="always"``: on CUDA the block-sparse kernel at 128-token blocks, as "auto" would; on a CPU test the masked
     dense path, so the replay is exercised there too)."""
     from ..attention.controller import SparseConfig
     from ..policies.carnator import CarnatorConfig
