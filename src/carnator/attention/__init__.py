@@ -12,7 +12,7 @@ Reusing it::
 
     masks = BlockMaskSet.from_tensors(tensors, "attn.")
     bm = masks.get(step, branch, layer, device=q.device)                  # (H, nq, nk)
-    out = masked_attention(q, k, v, bm, block=masks.block)                # flex on CUDA, SDPA else
+    out = masked_attention(q, k, v, bm, block=masks.block)                # Triton (or flex) on CUDA, SDPA else
 
 Middle-layer window (Active queries, Context keys): ``restrict(bm, token_blocks(active, block),
 token_blocks(context, block))``; rows of dropped query blocks output zeros (keep the cached

@@ -69,11 +69,10 @@ class SparseConfig:
             return self
         return replace(self, block=max(8, n_tokens // 16))
 
-    def applies(self, device: torch.device | str, block: int | None = None) -> bool:
-        """Whether masks are captured and applied for a request on ``device`` with blocks of ``block`` tokens
-        (default ``self.block``)."""
+    def applies(self, device: torch.device | str) -> bool:
+        """Whether masks are captured and applied for a request on ``device`` (at this config's block size)."""
         if self.apply == "auto":
-            return block_sparse_kernel(device, self.block if block is None else block)
+            return block_sparse_kernel(device, self.block)
         return self.apply == "always"
 
 

@@ -1,7 +1,7 @@
 """Block-sparse attention kernels and token gather / scatter helpers.
 
 :func:`masked_attention` is exact attention where the queries of query block ``i`` attend only
-to the keys of the key blocks ``j`` with ``block_mask[..., i, j]``. Two paths, same result:
+to the keys of the key blocks ``j`` with ``block_mask[..., i, j]``. Three paths, same result:
 
 - ``"sdpa"`` (CPU, and any device): expand the block mask to an element mask, ``chunk`` query
   rows at a time, and call :func:`torch.nn.functional.scaled_dot_product_attention`. Memory is
@@ -52,7 +52,6 @@ FLEX_BLOCK = 128
 """Default block size, and the granularity flex needs on CUDA (block % 128 == 0)."""
 
 
-
 def block_sparse_kernel(device: torch.device | str, block: int) -> bool:
     """Whether :func:`masked_attention` runs a kernel that skips masked blocks (so a mask saves time) for
     queries on ``device`` with blocks of ``block`` tokens: the Triton kernel (or compiled flex) on CUDA at a
@@ -69,15 +68,10 @@ _sparse_kernel = "auto"
 
 def set_block_sparse_kernel(name: str) -> str:
     """Which CUDA block-sparse kernel :func:`masked_attention` runs for this process: "auto" (Triton's where it
-    serves, else flex), "triton" (the same) or "flex" (always flex); returns the previous setting."""
+    serves, else flex) or "flex" (always flex); returns the previous setting."""
     global _sparse_kernel
-    if name not in ("auto", "triton", "flex"):
-        raise ValueError(f"unknown block-sparse kernel {name!r}: 'auto', 'triton' or 'flex'")
-    if name == "triton":
-        from . import triton_bsa
-
-        if not triton_bsa.available():
-            raise ValueError("the Triton block-sparse kernel needs Triton, which this torch build lacks")
+    if name not in ("auto", "flex"):
+        raise ValueError(f"unknown block-sparse kernel {name!r}: 'auto' or 'flex'")
     old, _sparse_kernel = _sparse_kernel, name
     return old
 
