@@ -115,12 +115,16 @@ def main():
     ap.add_argument("--probe-steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--flow-shift", type=float, default=None, help="sample (and probe) with this flow shift instead of the model's")
+    ap.add_argument("--weights", default=None, help="a train_embedded.py --out directory instead of the shipped weights")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--machine", default="2-core CPU dev box (torch threads 1)", help="for the report")
     ap.add_argument("--out", default="docs/PROBE.md")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     t_all = time.time()
 
-    pipe = load_pipeline()
+    pipe = load_pipeline(args.device) if args.weights is None else load_pipeline(args.device, Path(args.weights) / "weights.safetensors", Path(args.weights) / "weights.json")
     if args.flow_shift is not None:
         pipe.cfg.flow_shift = args.flow_shift
         pipe.scheduler = build_scheduler(pipe.cfg)
@@ -139,7 +143,7 @@ def main():
         idx = list(range(a, min(G, a + args.gen_batch)))
         vids = sample_batch(pipe, [caps[i] for i in idx], idx, steps=args.gen_steps)
         for j, i in enumerate(idx):
-            v = vids[j].permute(1, 2, 3, 0).numpy()  # T, H, W, 3
+            v = vids[j].permute(1, 2, 3, 0).cpu().numpy()  # T, H, W, 3
             rep = judge(v, caps[i])
             objs = {}
             for k, o in enumerate(scenes[i].objects):
@@ -206,7 +210,7 @@ def main():
                 pos = positions[w]
                 if pos:
                     cols = [ev.positions.index(p) for p in pos]
-                    Ccache[w] = ev.cross[:, :, cols].float().mean(dim=(0, 2)).numpy()
+                    Ccache[w] = ev.cross[:, :, cols].float().mean(dim=(0, 2)).cpu().numpy()
             targets = [(k, w) for k, w in enumerate(obj_words) if obj_words.count(w) == 1 and w in Ccache]
             targets += [(None, place)] if place in Ccache else []
             for key in cfg_list:
@@ -218,7 +222,7 @@ def main():
                     seeds = select_seeds(C, grid, cfg)
                     sk = (w, cfg.pos_fraction)
                     if sk not in Scache:
-                        Scache[sk] = ev.self_attention_columns(seeds.columns).numpy()
+                        Scache[sk] = ev.self_attention_columns(seeds.columns).cpu().numpy()
                     record(key, k, evidence_region(C, Scache[sk], seeds, grid, cfg).mask[-1])
             if with_cross:  # cross-attention alone (no self-attention expansion)
                 for h, lo in CROSS_HL:
@@ -273,8 +277,9 @@ def main():
         "",
         f"Command: `python scripts/measure_probe.py -n {args.n} --gen {G} --seed {args.seed}"
         + (f" --flow-shift {args.flow_shift:g}" if args.flow_shift is not None else "")
-        + (f" --gen-steps {args.gen_steps}" if args.gen_steps else "") + "`",
-        f"Machine: 2-core CPU dev box (torch threads 1). Date: {datetime.date.today().isoformat()}. "
+        + (f" --gen-steps {args.gen_steps}" if args.gen_steps else "")
+        + (f" --weights {args.weights}" if args.weights else "") + "`",
+        f"Machine: {args.machine}. Date: {datetime.date.today().isoformat()}. "
         f"Wall time: generation {t_gen:.0f}s, probes + grid {t_probe:.0f}s, total {time.time() - t_all:.0f}s.",
         "",
         f"Scenes: N = {args.n} held-out scenes/captions (seed {args.seed}), generation seed i for scene i. "

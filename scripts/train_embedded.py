@@ -155,6 +155,12 @@ def main() -> int:
     ap.add_argument("--ground", type=float, default=0.0,
                     help="weight of the grounding loss: each object's (and the place's) words attend to its pixels' tokens")
     ap.add_argument("--ground-layers", default="2,3,4", help="blocks whose cross-attention the grounding loss supervises")
+    ap.add_argument("--probe-pool", default=None, help="a scripts/probe_pool.py file: the model's own trajectories at the probe step")
+    ap.add_argument("--probe-batch", type=int, default=128, help="probe-pool items added to every step's batch")
+    ap.add_argument("--probe-ground", type=float, default=0.0,
+                    help="weight of the grounding loss at the probe step against where the object ends up in the model's own clip")
+    ap.add_argument("--probe-x0", type=float, default=0.0,
+                    help="weight of an x0 loss at the probe step towards the model's own final clip (a reflow of the first steps)")
     ap.add_argument("--sigma-floor", type=float, default=0.05, help="floor of sigma in the velocity weighting")
     ap.add_argument("--decay", type=float, default=0.0, help="fraction of --minutes at the end over which lr decays linearly to 5 %%")
     ap.add_argument("--codec-factor", type=int, default=None, help="architecture (new runs; default: EmbeddedConfig's)")
@@ -207,7 +213,11 @@ def main() -> int:
     n_params = sum(p.numel() for p in params)
     print(f"params {n_params / 1e6:.2f}M device {dev} patch {cfg.patch_size} codec {cfg.codec_factor} layers {cfg.num_layers} dim {cfg.num_heads}x{cfg.head_dim}", flush=True)
     maps: list[torch.Tensor] = []
-    if args.ground > 0:
+    probe = None
+    if args.probe_pool:
+        probe = torch.load(args.probe_pool, map_location=dev)
+        print(f"probe pool: {probe['x'].shape[0]} trajectories of {probe['weights']} (judge fidelity {probe['fidelity']:.3f}), t {probe['t'].item():.1f}", flush=True)
+    if args.ground > 0 or args.probe_ground > 0:
         for i in (int(x) for x in args.ground_layers.split(",")):
             pipe.transformer.blocks[i].attn2.set_processor(GroundedCrossAttention(maps))
     fwd = pipe.transformer if args.no_compile or dev.type != "cuda" else torch.compile(pipe.transformer)
@@ -218,7 +228,7 @@ def main() -> int:
     print(f"pool of {args.pool} clips rendered in {time.time() - t0:.0f}s", flush=True)
     t_start = time.time()
     log = open(out / "loss.csv", "w")  # noqa: SIM115 (closed after the loop)
-    log.write("step,seconds,loss,lr,ground\n")
+    log.write("step,seconds,loss,lr,ground,probe_ground\n")
     step, ema_loss = 0, None
     while time.time() - t_start < args.minutes * 60 and step < args.max_steps:
         if step and args.refresh:
@@ -239,6 +249,14 @@ def main() -> int:
             s = sigma.view(-1, 1, 1, 1, 1)
             xt = (1 - s) * x0 + s * noise
             target = noise - x0
+            B = x0.shape[0]
+            if probe is not None:   # the probe step of the model's own trajectories rides along in the same forward
+                pidx = torch.randint(0, probe["x"].shape[0], (args.probe_batch,), device=dev, generator=gen)
+                xt = torch.cat([xt, probe["x"][pidx].float()])
+                sigma = torch.cat([sigma, (probe["t"] / 1000).expand(args.probe_batch)])
+                ids = torch.cat([ids, probe["ids"][pidx]])
+                mask = ids != 0
+                p_cover, p_roles, p_final = probe["cover"][pidx].float(), probe["roles"][pidx].long(), probe["final"][pidx].float()
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         if args.decay > 0:
             left = 1 - (time.time() - t_start) / (args.minutes * 60)
@@ -256,6 +274,9 @@ def main() -> int:
                 fwd = pipe.transformer
                 maps.clear()
                 pred = fwd(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=emb, return_dict=False)[0]
+        if probe is not None:
+            pred, p_pred = pred[:B], pred[B:]
+            sigma = sigma[:B]
         if cfg.prediction == "x0":
             err = (pred.float() - x0) ** 2
             if args.loss == "velocity":  # ||(x0_hat - x0) / sigma||^2, sigma floored
@@ -263,8 +284,15 @@ def main() -> int:
         else:
             err = (pred.float() - target) ** 2
         loss = (err * wfg).sum() / wfg.sum()
+        pgl = None
+        if probe is not None:
+            if args.probe_ground > 0:
+                pgl = grounding_loss([m[B:] for m in maps], p_cover, p_roles)
+                loss = loss + args.probe_ground * pgl
+            if args.probe_x0 > 0:
+                loss = loss + args.probe_x0 * ((p_pred.float() - p_final) ** 2).mean()
         if maps:
-            gl = grounding_loss(maps, cover, roles)
+            gl = grounding_loss([m[:B] for m in maps], cover, roles)
             maps.clear()
             loss = loss + args.ground * gl
         opt.zero_grad(set_to_none=True)
@@ -279,15 +307,17 @@ def main() -> int:
             lv = loss.item()
             ema_loss = lv if ema_loss is None else 0.9 * ema_loss + 0.1 * lv
             glv = gl.item() if args.ground > 0 else float("nan")
-            log.write(f"{step},{time.time() - t_start:.1f},{lv:.5f},{lr:.2e},{glv:.4f}\n")
+            pglv = pgl.item() if pgl is not None else float("nan")
+            log.write(f"{step},{time.time() - t_start:.1f},{lv:.5f},{lr:.2e},{glv:.4f},{pglv:.4f}\n")
             if step % 500 == 0:
                 el = time.time() - t_start
-                print(f"step {step} {el:.0f}s ({el / step * 1000:.0f} ms/step) loss {ema_loss:.4f} ground {glv:.4f}", flush=True)
+                print(f"step {step} {el:.0f}s ({el / step * 1000:.0f} ms/step) loss {ema_loss:.4f} ground {glv:.4f} probe ground {pglv:.4f}", flush=True)
     log.close()
     train_s = time.time() - t_start
     print(f"trained {step} steps in {train_s:.0f}s", flush=True)
 
-    info = {"steps": step, "batch": args.batch, "loss": args.loss, "fg_weight": args.fg_weight, "ground": args.ground, "ground_layers": args.ground_layers, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
+    info = {"steps": step, "batch": args.batch, "loss": args.loss, "fg_weight": args.fg_weight, "ground": args.ground, "ground_layers": args.ground_layers,
+            "probe_pool": probe and {"n": int(probe["x"].shape[0]), "weights": probe["weights"], "batch": args.probe_batch, "ground": args.probe_ground, "x0": args.probe_x0}, "train_shift": args.shift, "pool": args.pool, "lr": args.lr, "ema": args.ema, "seconds": round(train_s), "final_loss": ema_loss,
             "resumed_from": args.resume,
             "total_steps": step + (json.loads((resume_dir / "weights.json").read_text())["info"].get("total_steps", 0) if resume_dir else 0), "params": n_params, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     # (the device tool returns at most 8 files: resume.json is not kept, weights.json has the same info)
