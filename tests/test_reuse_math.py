@@ -390,9 +390,9 @@ def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
                                 "dense": {"fidelity": df, "artifact": da}, "reuse": {"fidelity": rf, "artifact": ra}}) + "\n")
     engine = SimpleNamespace(model_identity="embedded-test", _policies={},
                              policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
-    got = run_calibration(engine, tmp_path, len(scores), progress=lambda *_: None)
+    got = run_calibration(engine, tmp_path, len(scores), progress=lambda *_: None, pairs_from="edits")
     assert got["acceptable"] == 1
-    got = run_calibration(engine, tmp_path, len(scores), rule=QualityRule(0.25, 0.05), progress=lambda *_: None)
+    got = run_calibration(engine, tmp_path, len(scores), rule=QualityRule(0.25, 0.05), progress=lambda *_: None, pairs_from="edits")
     assert got["acceptable"] == 3
     assert json.loads((tmp_path / "calibration.json").read_text())["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}
     assert json.loads((tmp_path / "thresholds.json").read_text())["meta"]["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}
@@ -421,11 +421,11 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
     engine = SimpleNamespace(model_identity="embedded-test", _policies={}, generate=generate,
                              bank=SimpleNamespace(clear=lambda tenant: None),
                              policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
-    assert run_calibration(engine, tmp_path, len(pairs), shard=(1, 2), progress=lambda *_: None) is None
+    assert run_calibration(engine, tmp_path, len(pairs), shard=(1, 2), progress=lambda *_: None, pairs_from="edits") is None
     assert sorted({i for i, _ in calls}) == [1, 3] and not (tmp_path / "thresholds.json").exists()
-    assert run_calibration(engine, tmp_path, len(pairs), shard=(0, 2), progress=lambda *_: None) is None
+    assert run_calibration(engine, tmp_path, len(pairs), shard=(0, 2), progress=lambda *_: None, pairs_from="edits") is None
     assert sorted({i for i, _ in calls}) == [0, 1, 2, 3, 4] and len(calls) == 3 * len(pairs)
-    got = run_calibration(engine, tmp_path, len(pairs), progress=lambda *_: None)
+    got = run_calibration(engine, tmp_path, len(pairs), progress=lambda *_: None, pairs_from="edits")
     assert len(calls) == 3 * len(pairs)                      # nothing generated again
     assert got["pairs"] == got["reusable_pairs"] == got["acceptable"] == len(pairs)
     assert sorted(json.loads(x)["i"] for x in (tmp_path / "pairs.jsonl").read_text().splitlines()) == list(range(len(pairs)))
@@ -445,7 +445,7 @@ def test_calibration_without_reusable_pairs_is_a_clear_error(tmp_path):
                                 "reuse": {"fidelity": 1.0, "artifact": 0.0}}) + "\n")
     engine = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     with pytest.raises(CarnatorError, match="only 0 of 4 pairs could reuse"):
-        run_calibration(engine, tmp_path, 4, progress=lambda *_: None)
+        run_calibration(engine, tmp_path, 4, progress=lambda *_: None, pairs_from="edits")
 
 
 def test_calibration_pairs_come_in_the_bench_streams_proportions_and_unrelated_ones_pass_the_noun_filter():
@@ -465,3 +465,48 @@ def test_calibration_pairs_come_in_the_bench_streams_proportions_and_unrelated_o
     assert len(unrelated) == 4
     for _, source, _, target, _ in unrelated:
         assert source != target and noun_diff(extract_nouns(target), extract_nouns(source)) is not None
+
+
+def test_stream_pairs_take_the_first_recalled_candidate_that_passes_the_noun_filter():
+    """Hand-made recall (one-hot warm embeddings, so each request's recall order is its vector's order): the pair's
+    source is the nearest warm request whose nouns pass the filter (nearer ones with two nouns changed are skipped),
+    only within the top K, never the request itself (an exact hit ends the search without a pair), and the kind
+    says when recall handed over another warm request than the one the edit came from."""
+    from carnator.bench.traces import TraceRequest
+    from carnator.calibration import recall_pairs
+
+    warm = [TraceRequest("a red ball on grass", 1, "warm"),       # 0: ball, grass
+            TraceRequest("a blue box on snow", 2, "warm"),        # 1: box, snow
+            TraceRequest("a green ball on snow", 3, "warm"),      # 2: ball, snow
+            TraceRequest("a red star at night", 4, "warm")]       # 3: star, night
+    vec = {w.prompt: np.eye(4)[i] for i, w in enumerate(warm)}
+    stream = [TraceRequest("a red box on grass", 10, "noun", 0),            # order 3 (2 nouns off), 0 -> warm 0
+              TraceRequest("a red ball on grass", 1, "reroll", 0),          # exact hit of warm 0: no pair
+              TraceRequest("a yellow ball on snow", 11, "color", 2),        # order 1 -> warm 1, not its source 2
+              TraceRequest("a red ring under the stars", 12, "unrelated"),  # every warm request 2 nouns off
+              TraceRequest("a blue box at night", 13, "context", 1)]        # order 0, 2 (off), 1 -> 3rd recalled
+    vec.update({"a red box on grass": [0.5, 0.1, 0.0, 0.9], "a yellow ball on snow": [0.1, 0.9, 0.5, 0],
+                "a red ring under the stars": [0.9, 0.1, 0.8, 0.3], "a blue box at night": [0.9, 0.5, 0.8, 0.4]})
+
+    def embed(texts):
+        return np.array([vec[t] for t in texts], float)
+
+    two = [("noun", "a red ball on grass", 1, "a red box on grass", 10),
+           ("color/other", "a blue box on snow", 2, "a yellow ball on snow", 11)]
+    assert recall_pairs(warm, stream, embed, top_k=2) == two
+    assert recall_pairs(warm, stream, embed, top_k=3) == two + [("context", "a blue box on snow", 2, "a blue box at night", 13)]
+    assert recall_pairs(warm, stream, embed, top_k=4, n=1) == two[:1]
+
+
+def test_calibration_refuses_to_mix_pair_sources(tmp_path):
+    """A folder started with edit pairs is not continued with stream pairs (their indices would mean other pairs)."""
+    from types import SimpleNamespace
+
+    from carnator.calibration import run_calibration
+    from carnator.errors import CarnatorError
+    from carnator.policies.carnator import CarnatorConfig
+
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    (tmp_path / "pairs.meta.json").write_text(json.dumps({"pairs_from": "edits"}))
+    with pytest.raises(CarnatorError, match="holds pairs drawn as"):
+        run_calibration(engine, tmp_path, 4, progress=lambda *_: None, pairs_from="stream")

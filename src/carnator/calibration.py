@@ -1,8 +1,17 @@
 """``carnator calibrate``: risk-aware thresholds for the embedded model (PAPER step 6).
 
-Builds request-cache pairs from the shapes world's edit generators (noun substitution, context,
-colour, size, motion reversal, rewording, re-roll) and unrelated scenes that share enough nouns to pass
-the noun filter, in the bench traces' proportions (``EDIT_MIX``). For each pair: the cached request is generated
+Request-cache pairs come from one of two sources (``pairs_from``):
+
+* ``"stream"`` (default): as deployed. A warm cache of W train-split requests and a stream in the bench traces'
+  mix (:func:`carnator.bench.traces.world_trace`); each stream request is paired with the first recalled warm
+  request (top-K by recall-embedding cosine) that passes the noun filter - the candidate the carnator policy
+  tests first (``CarnatorConfig.tested`` = 1). Requests with no such candidate are misses and make no pair.
+* ``"edits"``: each pair is an edit of one scene (noun substitution, context, colour, size, motion reversal,
+  rewording, re-roll) or two unrelated scenes whose nouns pass the noun filter, in the traces' proportions
+  (``EDIT_MIX``). The source is always the scene the request was made from, which recall does not guarantee:
+  certified on these pairs, the stream's unsafe rate came out twice the certification split's (docs/RESULTS.md).
+
+For each pair: the cached request is generated
 through the carnator policy (so it carries a signature and masks), the query is generated densely
 and through a *forced* reuse of that entry (thresholds open), both are judged, and the pair is
 labelled acceptable iff the reuse's prompt fidelity >= dense's - Delta and its artifact score <=
@@ -85,12 +94,60 @@ def make_pairs(n: int, seed: int = 0):
     return out
 
 
+def stream_pairs(n: int, embedder, *, warm: int = 100, top_k: int = 10, seed: int = 0):
+    """n (kind, source caption, source seed, target caption, target seed) tuples as recall draws them in service:
+    :func:`recall_pairs` over a trace of ``warm`` train-split warm requests and a stream in the traces' mix
+    (:func:`carnator.bench.traces.world_trace`)."""
+    from .bench.traces import world_trace
+
+    trace = world_trace(warm, 6 * n + 50, seed=seed, split="train")
+    out = recall_pairs(trace.warm, trace.test, embedder, top_k=top_k, n=n)
+    if len(out) < n:
+        raise CarnatorError(f"only {len(out)} of {len(trace.test)} stream requests found a recall candidate; {n} pairs were asked for")
+    return out
+
+
+def recall_pairs(warm, stream, embedder, *, top_k: int = 10, n: int | None = None):
+    """Pair each ``stream`` request (:class:`~carnator.bench.traces.TraceRequest`) with its first recalled ``warm``
+    request: the ``top_k`` nearest by ``embedder`` cosine (nearest first, ties by warm order, as
+    :meth:`carnator.cache.CacheBank.recall`), the first whose nouns pass the noun filter - the candidate the carnator
+    policy tests first (``CarnatorConfig.tested`` = 1). A request without one, or identical to it (an exact hit),
+    makes no pair. Returns up to ``n`` (kind, source caption, source seed, target caption, target seed) tuples;
+    ``kind`` is the stream request's, with ``"/other"`` appended when the source is not the warm request the
+    edit was made from."""
+    from .reuse import noun_diff
+    from .signature.nouns import extract_nouns
+
+    def unit(texts):
+        v = np.asarray(embedder(texts), dtype=np.float64)
+        return v / np.linalg.norm(v, axis=1, keepdims=True).clip(1e-12)
+
+    W, Q = unit([r.prompt for r in warm]), unit([r.prompt for r in stream])
+    warm_nouns = [extract_nouns(r.prompt) for r in warm]
+    out = []
+    for r, q in zip(stream, Q):
+        if n is not None and len(out) == n:
+            break
+        nouns = extract_nouns(r.prompt)
+        for j in np.argsort(-(W @ q), kind="stable")[:top_k]:
+            if noun_diff(nouns, warm_nouns[j]) is None:
+                continue
+            src = warm[j]
+            if (src.prompt, src.seed) != (r.prompt, r.seed):
+                kind = r.kind if r.source == j or r.kind == "unrelated" else f"{r.kind}/other"
+                out.append((kind, src.prompt, src.seed, r.prompt, r.seed))
+            break
+    return out
+
+
 def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = None, rule: QualityRule = QualityRule(),
                     cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | None = None, progress=print,
-                    shard: tuple[int, int] | None = None) -> dict | None:
+                    shard: tuple[int, int] | None = None, pairs_from: str = "stream", warm: int = 100) -> dict | None:
     """Generate and judge the pairs not yet in ``out_dir/pairs.jsonl``, then select and certify thresholds and write
     them (thresholds.json, calibration.json); returns the summary. ``shard=(k, n)``: only pairs k, k + n, ... and
-    return None without selecting (a worker of ``carnator calibrate --jobs n``; workers append to one pairs.jsonl)."""
+    return None without selecting (a worker of ``carnator calibrate --jobs n``; workers append to one pairs.jsonl).
+    ``pairs_from``: "stream" (:func:`stream_pairs` over ``warm`` warm requests, recalled with the engine's
+    embedder) or "edits" (:func:`make_pairs`)."""
     from .policies.carnator import CarnatorConfig, CarnatorPolicy
     from .world.judge import judge
 
@@ -105,13 +162,23 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     # (EngineConfig.capture_steps="auto"); it is alone in its tenant, so always a miss.
     engine._policies["carnator-source"] = CarnatorPolicy(CarnatorConfig(**{**vars(base), **at}))
     log_path = out_dir / "pairs.jsonl"
+    if pairs_from not in ("stream", "edits"):
+        raise CarnatorError(f"pairs_from must be 'stream' or 'edits', not {pairs_from!r}")
+    source = {"pairs_from": pairs_from, **({"warm": warm, "top_k": base.top_k} if pairs_from == "stream" else {})}
+    meta_path = out_dir / "pairs.meta.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()) != source:
+        raise CarnatorError(f"{out_dir} holds pairs drawn as {json.loads(meta_path.read_text())}, not {source}; use another --out")
+    if not meta_path.exists():
+        if log_path.exists() and pairs_from != "edits":   # pairs of a run from before pairs.meta.json: they were edits
+            raise CarnatorError(f"{out_dir} holds pairs drawn as edits; use another --out")
+        meta_path.write_text(json.dumps(source))
     done = {}
     if log_path.exists():
         for line in log_path.read_text().splitlines():
             r = json.loads(line)
             r["acceptable"] = rule.label(r)   # this run's rule: a run resumed with other deltas relabels
             done[r["i"]] = r
-    pairs = make_pairs(n_pairs)
+    pairs = make_pairs(n_pairs) if pairs_from == "edits" else stream_pairs(n_pairs, engine.embedder, warm=warm, top_k=base.top_k)
     with open(log_path, "a") as log:
         for i, (kind, src, s_seed, tgt, t_seed) in enumerate(pairs):
             if i in done or (shard is not None and i % shard[1] != shard[0]):
@@ -143,7 +210,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     res = calibrate([calibration_pair(r) for r in rows], cfg)
     tau_path = out_dir / "thresholds.json"
     res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule)})
-    summary = {"pairs": len(pairs), "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
+    summary = {"pairs": len(pairs), **source, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
                "rule": vars(rule), "result": res.to_dict(), "thresholds_file": str(tau_path)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

@@ -122,6 +122,8 @@ def cmd_calibrate(args) -> int:
         raise CarnatorError("--pairs must be at least 4")
     if args.jobs < 1:
         raise CarnatorError("--jobs must be 1 or more")
+    if args.warm < 1:
+        raise CarnatorError("--warm must be 1 or more")
     if args.jobs > 1 and args.shard is None:
         # Workers generate and judge disjoint shards of the pairs, appending to one pairs.jsonl; the run below
         # then finds every pair done and only selects and certifies.
@@ -135,7 +137,7 @@ def cmd_calibrate(args) -> int:
     eng = _engine(args)
     summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=_quality_rule(args),
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence), resume_step=args.resume_step,
-                              shard=args.shard)
+                              shard=args.shard, pairs_from=args.pairs_from, warm=args.warm)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
     return 0
@@ -368,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("calibrate", help="select and certify compatibility thresholds (embedded model)")
     _add_gen_args(k)
     k.add_argument("--pairs", type=int, default=100, help="request-cache pairs (paper: 30 selection + 70 certification)")
+    k.add_argument("--pairs-from", choices=["stream", "edits"], default="stream",
+                   help="stream: each request of a bench-mix stream paired with the cached request recall hands the compatibility "
+                        "test first, as deployed; edits: each pair an edit of one scene (default %(default)s)")
+    k.add_argument("--warm", type=int, default=100, help="warm requests the stream recalls from (--pairs-from stream; default %(default)s)")
     k.add_argument("--steps", type=int, default=None)
     k.add_argument("--resume-step", type=int, default=None)
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
