@@ -24,7 +24,6 @@ Writes one torch file: x (N, C, F, H, W) bf16 probe-step inputs, t (the probe st
 from __future__ import annotations
 
 import argparse
-import copy
 import multiprocessing as mp
 import os
 import time
@@ -34,10 +33,12 @@ import numpy as np
 import torch
 
 from carnator.embedded import load_pipeline
-from carnator.world.captions import PLACE, caption, word_roles
+from carnator.embedded.sample import denoise_batch
+from carnator.world.captions import caption
 from carnator.world.judge import judge
 from carnator.world.render import to_uint8
 from carnator.world.scene import sample_scenes
+from train_embedded import caption_roles, token_cover   # (scripts/ is on the path of a script run from it)
 
 
 def _masks(args):
@@ -48,30 +49,6 @@ def _masks(args):
         if m is not None:
             out[k] = rep.objects[m].masks
     return np.packbits(out, axis=-1), rep.fidelity
-
-
-@torch.no_grad()
-def trajectories(pipe, caps: list[str], probe_step: int, gen: torch.Generator):
-    """Sample ``caps`` as ``carnator.embedded.sample.sample_batch`` does; return (probe-step inputs, t, final latents)."""
-    c = pipe.cfg
-    dev = pipe._execution_device
-    s = c.size // c.codec_factor
-    B = len(caps)
-    lat = torch.randn((B, c.latent_channels, c.frames, s, s), generator=gen, device=dev)
-    emb = pipe.encode_text(list(caps) + [""])
-    cond, unc = emb[:B], emb[B:].expand(B, -1, -1)
-    sched = copy.deepcopy(pipe.scheduler)
-    sched.set_timesteps(c.num_inference_steps, device=dev)
-    sched.set_begin_index(0)
-    xp = tp = None
-    for i, t in enumerate(sched.timesteps):
-        if i == probe_step:
-            xp, tp = lat.clone(), t
-        xx, tt = torch.cat([lat, lat]), t.expand(2 * B)
-        out = pipe.velocity(xx, tt, pipe.transformer(hidden_states=xx, timestep=tt, encoder_hidden_states=torch.cat([cond, unc]), return_dict=False)[0])
-        pred = out[B:] + c.guidance_scale * (out[:B] - out[B:])
-        lat = sched.step(pred, t, lat, return_dict=False)[0]
-    return xp, tp, lat
 
 
 def main() -> int:
@@ -95,7 +72,9 @@ def main() -> int:
     t0 = time.time()
     xs, finals, frames = [], [], []
     for a in range(0, args.n, args.batch):
-        xp, tp, lat = trajectories(pipe, caps[a:a + args.batch], args.probe_steps - 1, gen)
+        batch = caps[a:a + args.batch]
+        noise = torch.randn((len(batch), cfg.latent_channels, cfg.frames, cfg.size // cfg.codec_factor, cfg.size // cfg.codec_factor), generator=gen, device=dev)
+        lat, (xp, tp) = denoise_batch(pipe, batch, noise, keep_step=args.probe_steps - 1)
         xs.append(xp.bfloat16())
         finals.append(lat.bfloat16())
         frames.append(to_uint8(pipe.vae.decode(lat).clamp(0, 1)))
@@ -108,15 +87,10 @@ def main() -> int:
     T, H, W = frames.shape[1:4]
     objs = torch.from_numpy(np.stack([np.unpackbits(r[0], axis=-1, count=W) for r in read])).to(dev).float()  # (N, 2, T, H, W)
     matched = (objs.flatten(2).amax(-1) > 0).float()
-    cover = torch.cat([objs, (1 - objs.sum(1, keepdim=True)).clamp_min(0)], 1)
-    pt, ph, pw = cfg.patch_size
-    cover = torch.nn.functional.avg_pool3d(cover, (pt, ph * cfg.codec_factor, pw * cfg.codec_factor)).flatten(2).half()
+    cover = token_cover(objs, cfg).flatten(2).half()
     print(f"judged {args.n} clips in {time.time() - t0:.0f}s: fidelity {fid:.3f}, objects matched {matched.sum().item():.0f}", flush=True)
     ids, _ = pipe.tokenizer(caps)
-    roles = torch.full((args.n, cfg.max_words), -1, dtype=torch.int8)
-    for i, c in enumerate(caps):   # our captions have no unknown words: word j is token j
-        r = [2 if x == PLACE else x for x in word_roles(c)][: cfg.max_words]
-        roles[i, : len(r)] = torch.tensor(r, dtype=torch.int8)
+    roles = caption_roles(caps, cfg.max_words)
     torch.save({"x": torch.cat(xs).cpu(), "t": tp.float().cpu(), "final": torch.cat(finals).cpu(), "ids": ids.cpu(), "roles": roles,
                 "cover": cover.cpu(), "fidelity": fid, "weights": str(w), "probe_steps": args.probe_steps}, args.out)
     print(f"wrote {args.out}", flush=True)

@@ -51,8 +51,7 @@ class Pool:
         # Grounding targets: per token, the share of its pixels covered by object 0, object 1 and the
         # place (background); per caption word, which of the three it describes (-1: a filler).
         pt, ph, pw = cfg.patch_size
-        self.kernel = (pt, ph * cfg.codec_factor, pw * cfg.codec_factor)
-        grid = (cfg.frames // pt, cfg.size // self.kernel[1], cfg.size // self.kernel[2])
+        grid = (cfg.frames // pt, cfg.size // (ph * cfg.codec_factor), cfg.size // (pw * cfg.codec_factor))
         self.tok = torch.zeros((n, 3, *grid), dtype=torch.float16, device=dev)
         self.roles = torch.full((n, captions_per_clip, cfg.max_words), -1, dtype=torch.int8, device=dev)
         self.cursor = 0
@@ -65,10 +64,7 @@ class Pool:
             scenes = sample_scenes(m, self.rng, split="train")
             caps = [caption(s, self.rng, split="train") for s in scenes for _ in range(self.k)]
             ids, _ = self.pipe.tokenizer(caps)
-            roles = torch.full((len(caps), cfg.max_words), -1, dtype=torch.int8)
-            for i, c in enumerate(caps):   # our captions have no unknown words: word j is token j
-                r = [2 if x == PLACE else x for x in word_roles(c)][: cfg.max_words]
-                roles[i, : len(r)] = torch.tensor(r, dtype=torch.int8)
+            roles = caption_roles(caps, cfg.max_words)
             sl = slice(self.cursor, self.cursor + m)
             with torch.no_grad():
                 r = render(scenes, cfg.frames, cfg.size, device=self.dev, generator=self.gen)
@@ -77,8 +73,7 @@ class Pool:
                 self.fg[sl] = torch.nn.functional.max_pool2d(fg.flatten(0, 1)[:, None], 5, 1, 2).view_as(fg) > 0
                 objs = torch.zeros((m, 2, *r.masks.shape[2:]), device=self.dev)
                 objs[:, : r.masks.shape[1]] = r.masks.float()
-                cover = torch.cat([objs, (1 - objs.sum(1, keepdim=True)).clamp_min(0)], 1)
-                self.tok[sl] = torch.nn.functional.avg_pool3d(cover, self.kernel).half()
+                self.tok[sl] = token_cover(objs, cfg).half()
             self.ids[sl] = ids.view(m, self.k, -1).to(self.dev)
             self.roles[sl] = roles.view(m, self.k, -1).to(self.dev)
             self.cursor = (self.cursor + m) % self.n
@@ -93,6 +88,24 @@ class Pool:
         ids = ids * keep[:, None]
         roles = torch.where(keep[:, None], self.roles[idx, which].long(), -1)
         return video, ids, ids != 0, self.fg[idx], self.tok[idx].flatten(2).float(), roles
+
+
+def caption_roles(caps: list[str], max_words: int) -> torch.Tensor:
+    """(len(caps), max_words) int8: per word, the object (0, 1) or the place (2) it describes, -1 for fillers.
+    Our captions have no unknown words, so word j is token j."""
+    roles = torch.full((len(caps), max_words), -1, dtype=torch.int8)
+    for i, c in enumerate(caps):
+        r = [2 if x == PLACE else x for x in word_roles(c)][:max_words]
+        roles[i, : len(r)] = torch.tensor(r, dtype=torch.int8)
+    return roles
+
+
+def token_cover(objs: torch.Tensor, cfg) -> torch.Tensor:
+    """Grounding targets from per-pixel object masks (B, 2, T, H, W): per token, the share of its pixels covered
+    by object 0, object 1 and the place (the rest), shape (B, 3, T', H', W')."""
+    cover = torch.cat([objs, (1 - objs.sum(1, keepdim=True)).clamp_min(0)], 1)
+    pt, ph, pw = cfg.patch_size
+    return torch.nn.functional.avg_pool3d(cover, (pt, ph * cfg.codec_factor, pw * cfg.codec_factor))
 
 
 class GroundedCrossAttention:
