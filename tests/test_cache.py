@@ -600,3 +600,37 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "carnator"
+
+
+def _fresh_db_held_by_a_reader(root: Path):
+    """A new rollback-journal bank.sqlite in ``root`` with an open read transaction on it (a shared lock)."""
+    import sqlite3
+
+    root.mkdir()
+    holder = sqlite3.connect(root / DB_FILE, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE t (x)")
+    assert holder.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    holder.execute("BEGIN")
+    holder.execute("SELECT * FROM t").fetchall()
+    return holder
+
+
+def test_opening_waits_for_another_process_to_release_a_fresh_database(tmp_path):
+    """Converting a fresh bank.sqlite to WAL needs exclusive access, and SQLite runs no busy handler for it:
+    two processes opening a new cache together used to fail at once with "database is locked" (a calibrate
+    worker died so). A reader holding the file for 0.3 s must only delay the open; one holding it past the
+    busy timeout gives a clear CacheError."""
+    import threading
+
+    holder = _fresh_db_held_by_a_reader(tmp_path / "a")
+    threading.Timer(0.3, lambda: holder.execute("COMMIT")).start()
+    t0 = time.monotonic()
+    with CacheBank(tmp_path / "a", embed_dim=4, busy_timeout_s=10.0) as b:
+        assert time.monotonic() - t0 >= 0.25  # it did wait for the holder
+        assert b._db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    holder.close()
+
+    holder = _fresh_db_held_by_a_reader(tmp_path / "b")
+    with pytest.raises(CacheError, match="cannot use WAL mode"):
+        CacheBank(tmp_path / "b", embed_dim=4, busy_timeout_s=0.2)
+    holder.close()

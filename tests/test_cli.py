@@ -343,3 +343,17 @@ def test_bench_latent_dtype_is_the_stored_latents_dtype(tmp_path):
     entry = bank.load(bank.entries()[0].id)
     assert entry["final"].dtype == torch.float16 and any(k.startswith("traj.") for k in entry)
     assert all(entry[k].dtype == torch.float16 for k in entry if k.startswith("traj."))
+
+
+def test_a_failed_worker_is_reported_not_raised():
+    """calibrate --jobs: a worker that stops (its subcommand raises or exits non-zero) comes back as a message, so
+    that the parent finishes its pairs instead of failing after the other shards are done."""
+    from carnator.cli import _worker_failure
+    from carnator.errors import CacheError
+
+    def boom(args):
+        raise CacheError("cache database x: database is locked")
+
+    assert _worker_failure(({"func": boom}, {"shard": (1, 2)}, 1)) == "CacheError: cache database x: database is locked"
+    assert "exited with 3" in _worker_failure(({"func": lambda args: 3}, {}, 1))
+    assert _worker_failure(({"func": lambda args: 0}, {}, 1)) is None

@@ -133,7 +133,11 @@ def cmd_calibrate(args) -> int:
 
         opts, threads = vars(args), torch.get_num_threads()
         with mp.get_context("spawn").Pool(args.jobs) as pool:
-            pool.map(_worker, [(opts, {"shard": (k, args.jobs)}, threads) for k in range(args.jobs)], chunksize=1)
+            failed = pool.map(_worker_failure, [(opts, {"shard": (k, args.jobs)}, threads) for k in range(args.jobs)], chunksize=1)
+        for k, err in enumerate(failed):
+            if err:  # what it wrote is kept; the run below generates the pairs it left, in this process
+                print(f"carnator: warning: calibrate worker {k + 1} of {args.jobs} stopped ({err}); "
+                      "the pairs it left are generated here, one after another", file=sys.stderr)
     eng = _engine(args)
     summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=_quality_rule(args),
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence), resume_step=args.resume_step,
@@ -222,6 +226,16 @@ def _worker(job: tuple[dict, dict, int]) -> None:
     code = args.func(args)
     if code:
         raise CarnatorError(f"{args.func.__name__} worker {overrides} exited with {code}")
+
+
+def _worker_failure(job: tuple[dict, dict, int]) -> str | None:
+    """:func:`_worker`, returning its error's message instead of raising it (calibrate: a pair shard whose worker
+    stopped is finished by the parent, rather than the error surfacing only after the other shards are done)."""
+    try:
+        _worker(job)
+    except Exception as e:  # noqa: BLE001 - reported by the parent
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def cmd_bench_scale(args) -> int:

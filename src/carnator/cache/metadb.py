@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -135,9 +136,7 @@ class MetaDB:
         )
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise CacheError(f"cache database {self.path} cannot use WAL mode (got {mode!r})")
+            self._use_wal(conn)
             conn.execute("PRAGMA synchronous = NORMAL")
             if check:
                 result = [r[0] for r in conn.execute("PRAGMA quick_check(5)")]
@@ -150,6 +149,31 @@ class MetaDB:
         self._conn = conn
         self._pid = os.getpid()
         self._inode = self._stat_inode()
+
+    def _use_wal(self, conn: sqlite3.Connection) -> None:
+        """Put the database in WAL mode (a property of the file, so only its first opener converts it).
+
+        The conversion needs exclusive access and SQLite does not run the busy handler for it: processes
+        opening a fresh cache together get "database is locked" at once. So read the mode first (no lock
+        once the file is WAL) and retry the conversion with backoff within ``busy_timeout_s``.
+        """
+        deadline = time.monotonic() + self.busy_timeout_s
+        delay = 0.005
+        while True:
+            mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+            if mode == "wal":
+                return
+            try:
+                mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+            if mode == "wal":
+                return
+            if time.monotonic() >= deadline:
+                raise CacheError(f"cache database {self.path} cannot use WAL mode (got {mode!r}; another process holds it)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
     def close(self) -> None:
         if self._conn is not None:
