@@ -156,7 +156,11 @@ def test_thresholds_save_load(tmp_path):
     doc = json.loads(p.read_text())
     assert doc["model_id"] == "wan2.1-1.3b" and doc["format_version"] == 1
     assert doc["carnator_version"] and doc["thresholds"]["size"] is None and doc["meta"] == {"delta": 0.05}
+    assert doc["thresholds"]["text"] is None  # off unless calibrated
     assert Thresholds.load(p, model_id="wan2.1-1.3b") == tau
+    del doc["thresholds"]["text"]  # a file from before the text threshold: loads with it off
+    p.write_text(json.dumps(doc))
+    assert Thresholds.load(p, model_id="wan2.1-1.3b") == tau and tau.text == math.inf
 
     with pytest.raises(CarnatorError) as e:
         Thresholds.load(p, model_id="ltx-13b")
@@ -236,13 +240,14 @@ def test_select_thresholds_matches_brute_force():
                 size=float(rng.integers(0, 3)) if sub else None,
                 shape=round(float(rng.random()), 1) if sub else None,
                 color=float(rng.integers(0, 5)) if sub else None,
+                text=round(float(rng.random()) / 2, 1) if rng.random() < 0.8 else None,
             )
             pairs.append(CalibrationPair(d, acceptable=bool(rng.random() < 0.6)))
         for delta in (0.0, 0.2):
             tau, acc, uns = select_thresholds(pairs, delta)
-            vals = np.array([[-np.inf if v is None else v for v in (p.d.context, p.d.size, p.d.shape, p.d.color)] for p in pairs])
+            vals = np.array([[-np.inf if v is None else v for v in (p.d.context, p.d.size, p.d.shape, p.d.color, p.d.text)] for p in pairs])
             bad = np.array([not p.acceptable for p in pairs])
-            grids = [sorted({v for v in vals[:, k] if np.isfinite(v)} | {-1.0, np.inf}) for k in range(4)]
+            grids = [sorted({v for v in vals[:, k] if np.isfinite(v)} | {-1.0, np.inf}) for k in range(5)]
             combos = np.array(list(itertools.product(*grids)))
             ok = np.all(vals[None, :, :] <= combos[:, None, :], axis=2)
             a, u = ok.sum(1), (ok & bad).sum(1)
@@ -251,6 +256,21 @@ def test_select_thresholds_matches_brute_force():
             assert acc == best_a, (trial, delta)
             assert uns == u[feas & (a == best_a)].min()
             assert evaluate(pairs, tau) == (acc, uns)
+
+
+def test_select_thresholds_text_separates_what_the_signature_cannot():
+    """Identical signatures, bad reuses where the prompts are far apart (d_text >= 0.3): the text threshold is the
+    largest safe d_text, the signature thresholds the tightest that pass every safe pair; with the text
+    dimension off (CalibrationConfig(text=False), the paper's four) nothing separates them and tau.text is inf."""
+    safe = [CalibrationPair(Discrepancies(2.0, 0.1, 0.1, 3.0, text=t), True) for t in (0.0, 0.05, 0.1, 0.2)]
+    bad = [CalibrationPair(Discrepancies(2.0, 0.1, 0.1, 3.0, text=t), False) for t in (0.3, 0.45)]
+    tau, acc, uns = select_thresholds(safe + bad, delta=0.0)
+    assert (acc, uns) == (4, 0)
+    assert (tau.context, tau.size, tau.shape, tau.color, tau.text) == (2.0, 0.1, 0.1, 3.0, 0.2)
+    res = calibrate(safe + bad + safe + bad, CalibrationConfig(text=False, split_seed=None, n_selection=6))
+    assert res.thresholds.text == math.inf and (res.selection_accepted, res.selection_unsafe) == (0, 0)
+    assert compatible(Discrepancies(2.0, text=0.2), tau) and not compatible(Discrepancies(2.0, text=0.21), tau)
+    assert compatible(Discrepancies(2.0), tau)  # not measured: passes, as every None dimension
 
 
 def test_split_pairs_deterministic_disjoint():
@@ -386,7 +406,7 @@ def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
     with open(tmp_path / "pairs.jsonl", "w") as f:
         for i, ((df, da), (rf, ra)) in enumerate(scores):
             f.write(json.dumps({"i": i, "kind": make_pairs(len(scores))[i][0], "hit": True, "acceptable": True,
-                                "d": {"context": 1.0 + i, "size": 0.1 * i, "shape": 0.05 * i, "color": 2.0 * i},
+                                "d": {"context": 1.0 + i, "size": 0.1 * i, "shape": 0.05 * i, "color": 2.0 * i, "text": 0.01 * i},
                                 "dense": {"fidelity": df, "artifact": da}, "reuse": {"fidelity": rf, "artifact": ra}}) + "\n")
     engine = SimpleNamespace(model_identity="embedded-test", _policies={},
                              policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
@@ -412,7 +432,7 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
 
     def generate(prompt, *, seed, policy, tenant, num_inference_steps=None, store=True):
         calls.append((int(tenant[5:]), policy))
-        notes = {"discrepancies": {"context": 1.0, "size": 0.1, "shape": 0.1, "color": 1.0}} if policy == "carnator-forced" else {}
+        notes = {"discrepancies": {"context": 1.0, "size": 0.1, "shape": 0.1, "color": 1.0, "text": 0.05}} if policy == "carnator-forced" else {}
         return SimpleNamespace(frames=np.zeros((1, 1, 1, 3), np.uint8), stats=SimpleNamespace(
             hit=policy == "carnator-forced", notes=notes, timings={}, resume_step=20, active_fraction=0.5, mask_density=1.0))
 
@@ -510,3 +530,17 @@ def test_calibration_refuses_to_mix_pair_sources(tmp_path):
     (tmp_path / "pairs.meta.json").write_text(json.dumps({"pairs_from": "edits"}))
     with pytest.raises(CarnatorError, match="holds pairs drawn as"):
         run_calibration(engine, tmp_path, 4, progress=lambda *_: None, pairs_from="stream")
+
+
+def test_backfill_text_is_one_minus_the_recall_cosine():
+    """Rows stored before d_text existed get 1 - cosine of their prompts' embeddings (hand-made embedder:
+    cos 1, 0.6 and 0); rows that have it, or were not reused, are left alone."""
+    from carnator.calibration import backfill_text
+
+    vecs = {"a": [1.0, 0.0], "a'": [2.0, 0.0], "b": [0.6, 0.8], "c": [0.0, 3.0]}
+    emb = lambda texts: np.array([vecs[t] for t in texts])  # noqa: E731
+    rows = [{"source": "a", "target": "a'", "d": {"context": 1.0}}, {"source": "a", "target": "b", "d": {"context": 1.0}},
+            {"source": "a", "target": "c", "d": {"context": 1.0}}, {"source": "a", "target": "c", "d": {"context": 1.0, "text": 0.5}},
+            {"source": "a", "target": "c", "d": None}]
+    backfill_text(rows, emb)
+    assert [r["d"] and r["d"].get("text") for r in rows] == [pytest.approx(0.0), pytest.approx(0.4), pytest.approx(1.0), 0.5, None]

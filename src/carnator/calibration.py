@@ -53,6 +53,21 @@ def calibration_pair(row: dict, acceptable: bool | None = None) -> CalibrationPa
     return CalibrationPair(Discrepancies(**d), row["acceptable"] if acceptable is None else acceptable, key=str(row["i"]))
 
 
+def _unit(embedder, texts) -> np.ndarray:
+    v = np.asarray(embedder(texts), dtype=np.float64)
+    return v / np.linalg.norm(v, axis=1, keepdims=True).clip(1e-12)
+
+
+def backfill_text(rows, embedder) -> None:
+    """Give stored rows written before ``d_text`` existed their text discrepancy, 1 - the ``embedder`` cosine of
+    source and target prompts (what recall scores; the policy records it from recall since)."""
+    todo = [r for r in rows if r.get("d") is not None and "text" not in r["d"]]
+    if todo:
+        cos = (_unit(embedder, [r["source"] for r in todo]) * _unit(embedder, [r["target"] for r in todo])).sum(1)
+        for r, c in zip(todo, cos):
+            r["d"]["text"] = max(0.0, 1.0 - float(c))
+
+
 def reused_rows(rows) -> list[dict]:
     """The stored calibration rows that select and certify: those reused with measured discrepancies, in pair
     order (the split depends on the order; workers of ``calibrate --jobs`` append out of order)."""
@@ -118,11 +133,7 @@ def recall_pairs(warm, stream, embedder, *, top_k: int = 10, n: int | None = Non
     from .reuse import noun_diff
     from .signature.nouns import extract_nouns
 
-    def unit(texts):
-        v = np.asarray(embedder(texts), dtype=np.float64)
-        return v / np.linalg.norm(v, axis=1, keepdims=True).clip(1e-12)
-
-    W, Q = unit([r.prompt for r in warm]), unit([r.prompt for r in stream])
+    W, Q = _unit(embedder, [r.prompt for r in warm]), _unit(embedder, [r.prompt for r in stream])
     warm_nouns = [extract_nouns(r.prompt) for r in warm]
     out = []
     for r, q in zip(stream, Q):
@@ -204,6 +215,8 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     if shard is not None:
         return None
     rows = reused_rows(done.values())
+    if any("text" not in r["d"] for r in rows):
+        backfill_text(rows, engine.embedder)
     if len(rows) < 2:
         raise CarnatorError(f"only {len(rows)} of {len(done)} pairs could reuse their source (the resume step must lie "
                             f"inside the steps, and the noun filter must pass); selection and certification need at least 2")

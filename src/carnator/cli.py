@@ -140,7 +140,7 @@ def cmd_calibrate(args) -> int:
                       "the pairs it left are generated here, one after another", file=sys.stderr)
     eng = _engine(args)
     summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=_quality_rule(args),
-                              cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence), resume_step=args.resume_step,
+                              cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold), resume_step=args.resume_step,
                               shard=args.shard, pairs_from=args.pairs_from, warm=args.warm)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
@@ -392,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--resume-step", type=int, default=None)
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
+    k.add_argument("--no-text-threshold", dest="text_threshold", action="store_false",
+                   help="calibrate the paper's four signature thresholds only, leaving the recall-similarity one off")
     _add_rule_args(k, "quality rule: a reuse is acceptable iff its judge fidelity >= dense's - this (default %(default)s) ...",
                    "... and its artifact score <= dense's + this (default %(default)s)")
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")

@@ -138,7 +138,7 @@ class CarnatorPolicy(Policy):
                 sig_j = EarlySignature.from_dict(meta.extra["signature"])
             except (ValueError, KeyError, TypeError):
                 continue
-            d = discrepancies(sig, sig_j, diff, self.cfg.compat)
+            d = discrepancies(sig, sig_j, diff, self.cfg.compat, similarity=score)
             if compatible(d, tau):
                 return meta, diff, d
         return None

@@ -17,9 +17,10 @@ that is the caller's job). The pairs are split deterministically into a *selecti
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,10 @@ class CalibrationConfig:
     max_candidates: int = 64
     """At most this many observed values per dimension are grid candidates (evenly spaced ranks of
     the sorted distinct values, always including the largest); the search costs about
-    ``max_candidates**4`` operations (about a second at 64) plus ``O(n)``. Chosen default."""
+    ``max_candidates**4`` operations (about a second at 64) per text candidate, plus ``O(n)``. Chosen default."""
+    text: bool = True
+    """Select a threshold on ``d_text`` (1 - recall cosine) as well; False keeps it off, as the paper (which
+    calibrates the four signature dimensions only). Chosen default: on (docs/RESULTS.md, session 8)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.delta < 1.0:
@@ -154,7 +158,7 @@ def clopper_pearson_upper(k: int, n: int, confidence: float) -> float:
 
 
 def _matrix(pairs: Sequence[CalibrationPair]) -> tuple[np.ndarray, np.ndarray]:
-    """``(n, 4)`` discrepancy values (not applicable -> -inf, always passes) and ``(n,)`` unsafe flags."""
+    """``(n, len(DIMENSIONS))`` discrepancy values (not applicable -> -inf, always passes) and ``(n,)`` unsafe flags."""
     vals = np.array(
         [[-math.inf if getattr(p.d, k) is None else float(getattr(p.d, k)) for k in DIMENSIONS] for p in pairs],
         dtype=np.float64,
@@ -193,31 +197,18 @@ def _candidates(col: np.ndarray, max_candidates: int) -> np.ndarray:
     return np.concatenate([[reject], obs, [math.inf]])
 
 
-def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candidates: int = 64) -> tuple[Thresholds, int, int]:
-    """Grid search for the coverage-maximizing ``tau`` with unsafe rate ``<= delta`` on ``pairs``.
-
-    Returns ``(tau, accepted, unsafe)``. Always feasible: accepting nothing has unsafe rate 0.
-    """
-    if not pairs:
-        raise ValueError("select_thresholds needs at least one pair")
-    vals, unsafe = _matrix(pairs)
-    n = len(pairs)
-    cands = [_candidates(vals[:, k], max_candidates) for k in range(4)]
-    sizes = [len(c) for c in cands]
-    # r[p, k]: index of the tightest candidate of dimension k that pair p passes (values <= it);
-    # not applicable (-inf) -> 0; NaN sorts past the end -> never passes.
-    r = np.stack([np.searchsorted(cands[k], vals[:, k], side="left") for k in range(4)], axis=1)
-    valid = np.all(r < np.array(sizes)[None, :], axis=1)
+def _search4(r: np.ndarray, unsafe: np.ndarray, keep: np.ndarray, sizes: Sequence[int], n: int, kmax: int,
+             delta: float, rank_offset: int) -> tuple[int, tuple[int, int, int, int]]:
+    """The best candidate indices of four dimensions over the pairs ``keep`` (see :func:`select_thresholds`)."""
     # Accepted / unsafe counts for every candidate combination are 4-D cumulative sums of the pair
     # histogram over r; sweep dimension 0 and keep a running 3-D slice (memory K^3, time ~K^4).
     k1, k2, k3 = sizes[1:]
     acc = np.zeros((k1, k2, k3), dtype=np.int64)
     uns = np.zeros((k1, k2, k3), dtype=np.int64)
     ranks123 = np.arange(k1)[:, None, None] + np.arange(k2)[None, :, None] + np.arange(k3)[None, None, :]
-    kmax = sum(s - 1 for s in sizes)
     best_key, best = -1, (0, 0, 0, 0)
     for c0 in range(sizes[0]):
-        sel = valid & (r[:, 0] == c0)
+        sel = keep & (r[:, 0] == c0)
         if sel.any():
             for counts, weights in ((acc, None), (uns, unsafe[sel])):
                 h = np.zeros((k1, k2, k3), dtype=np.int64)
@@ -226,12 +217,39 @@ def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candid
                 counts += h.cumsum(0).cumsum(1).cumsum(2)
         feasible = uns <= delta * acc + 1e-9
         # lexicographic: most accepted, then fewest unsafe, then tightest (smallest rank sum)
-        key = np.where(feasible, (acc * (n + 1) + (n - uns)) * (kmax + 1) + (kmax - c0 - ranks123), -1)
+        key = np.where(feasible, (acc * (n + 1) + (n - uns)) * (kmax + 1) + (kmax - rank_offset - c0 - ranks123), -1)
         flat = int(np.argmax(key))
         kv = int(key.flat[flat])
         if kv > best_key:
             best_key = kv
             best = (c0, *(int(i) for i in np.unravel_index(flat, key.shape)))
+    return best_key, best
+
+
+def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candidates: int = 64) -> tuple[Thresholds, int, int]:
+    """Grid search for the coverage-maximizing ``tau`` with unsafe rate ``<= delta`` on ``pairs``.
+
+    Returns ``(tau, accepted, unsafe)``. Always feasible: accepting nothing has unsafe rate 0. The four signature
+    dimensions are searched by cumulative sums; each candidate of the text dimension (which only removes pairs as
+    it tightens) runs that search on the pairs it passes.
+    """
+    if not pairs:
+        raise ValueError("select_thresholds needs at least one pair")
+    vals, unsafe = _matrix(pairs)
+    n, dims = vals.shape
+    cands = [_candidates(vals[:, k], max_candidates) for k in range(dims)]
+    sizes = [len(c) for c in cands]
+    # r[p, k]: index of the tightest candidate of dimension k that pair p passes (values <= it);
+    # not applicable (-inf) -> 0; NaN sorts past the end -> never passes.
+    r = np.stack([np.searchsorted(cands[k], vals[:, k], side="left") for k in range(dims)], axis=1)
+    valid = np.all(r < np.array(sizes)[None, :], axis=1)
+    kmax = sum(s - 1 for s in sizes)
+    best_key, best = -1, (0,) * dims
+    for outer in itertools.product(*(range(s) for s in sizes[4:])):
+        keep = valid & np.all(r[:, 4:] <= np.array(outer, dtype=np.int64)[None, :], axis=1)
+        key, inner = _search4(r, unsafe, keep, sizes[:4], n, kmax, delta, sum(outer))
+        if key > best_key:
+            best_key, best = key, (*inner, *outer)
     tau = Thresholds(**{k: float(cands[i][best[i]]) for i, k in enumerate(DIMENSIONS)})
     acc_n, uns_n = evaluate(pairs, tau)
     return tau, acc_n, uns_n
@@ -239,10 +257,14 @@ def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candid
 
 def calibrate(pairs: Sequence[CalibrationPair], cfg: CalibrationConfig = CalibrationConfig()) -> CalibrationResult:
     """Split, select ``tau`` on the selection split, certify it on the certification split."""
+    if not cfg.text:  # the paper's four dimensions: text not applicable in the search, off in the result
+        pairs = [CalibrationPair(replace(p.d, text=None), p.acceptable, p.key) for p in pairs]
     sel_idx, cert_idx = split_pairs(len(pairs), cfg)
     sel = [pairs[i] for i in sel_idx]
     cert = [pairs[i] for i in cert_idx]
     tau, s_acc, s_uns = select_thresholds(sel, cfg.delta, cfg.max_candidates)
+    if not cfg.text:
+        tau = replace(tau, text=math.inf)
     c_acc, c_uns = evaluate(cert, tau)
     bound = clopper_pearson_upper(c_uns, c_acc, cfg.confidence)
     return CalibrationResult(

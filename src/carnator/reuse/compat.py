@@ -8,6 +8,10 @@ by exactly one substitution (:func:`noun_diff`). The Early Signatures of the two
   ``d_size`` = ``|log(A_q / A_j)|``; ``d_shape`` = 1 - Dice of the two tail-frame masks after cropping
   each to its bounding box and resizing to a common size; ``d_color`` = CIEDE2000(c_q, c_j).
 
+and, beyond the paper, ``d_text`` = 1 - the recall-embedding cosine of the two prompts (``tau_text`` = ``inf``,
+off, unless calibrated: on the embedded world, recall hands the test cached requests that differ from the
+query in several attributes at once, which the signature does not separate; docs/RESULTS.md, session 8).
+
 The candidate is compatible iff every applicable ``d_k <= tau_k`` (:func:`compatible`); the first
 compatible candidate in recall order wins (:func:`first_compatible`). A missing noun or an undefined
 colour (empty tail mask) makes the affected discrepancies ``inf``, i.e. incompatible unless that
@@ -47,7 +51,7 @@ THRESHOLDS_FORMAT_VERSION = 1
 """Version of the thresholds JSON file written by :meth:`Thresholds.save`."""
 
 _THRESHOLDS_FORMAT = "carnator-thresholds"
-DIMENSIONS = ("context", "size", "shape", "color")
+DIMENSIONS = ("context", "size", "shape", "color", "text")
 
 
 # ---- noun filter ----------------------------------------------------------------------------------
@@ -119,8 +123,8 @@ class CompatConfig:
 class Discrepancies:
     """The discrepancies of one (query, candidate) pair.
 
-    ``size``, ``shape`` and ``color`` are ``None`` when not applicable (no substituted noun); a
-    ``None`` dimension passes every threshold. ``inf`` marks an undefined value (missing noun, empty
+    ``size``, ``shape`` and ``color`` are ``None`` when not applicable (no substituted noun); ``text``
+    (1 - recall cosine) is ``None`` when not measured; a ``None`` dimension passes every threshold. ``inf`` marks an undefined value (missing noun, empty
     region) and fails every finite threshold.
     """
 
@@ -128,6 +132,7 @@ class Discrepancies:
     size: float | None = None
     shape: float | None = None
     color: float | None = None
+    text: float | None = None
 
     def to_dict(self) -> dict[str, float | None]:
         """JSON-able dict (``inf`` written as the string ``"inf"``)."""
@@ -138,7 +143,8 @@ class Discrepancies:
         def conv(v: Any) -> float | None:
             return None if v is None else float(v)
 
-        return cls(context=float(d["context"]), size=conv(d.get("size")), shape=conv(d.get("shape")), color=conv(d.get("color")))
+        return cls(context=float(d["context"]), size=conv(d.get("size")), shape=conv(d.get("shape")), color=conv(d.get("color")),
+                   text=conv(d.get("text")))
 
 
 def _area_weights(n_in: int, n_out: int) -> np.ndarray:
@@ -189,27 +195,34 @@ def _colour_distance(a: NounSignature | None, b: NounSignature | None) -> float:
 
 
 def discrepancies(
-    sig_q: EarlySignature, sig_j: EarlySignature, diff: NounDiff, cfg: CompatConfig = CompatConfig()
+    sig_q: EarlySignature,
+    sig_j: EarlySignature,
+    diff: NounDiff,
+    cfg: CompatConfig = CompatConfig(),
+    similarity: float | None = None,
 ) -> Discrepancies:
     """The discrepancies of query signature ``sig_q`` against candidate signature ``sig_j``.
 
-    ``diff`` is :func:`noun_diff` of the two noun lists (query first).
+    ``diff`` is :func:`noun_diff` of the two noun lists (query first); ``similarity`` the recall cosine of the
+    two prompts (``d_text = max(0, 1 - similarity)``; ``None``: not measured).
     """
+    text = None if similarity is None else max(0.0, 1.0 - float(similarity))
     context = 0.0
     for noun in diff.shared:
         context = max(context, _colour_distance(sig_q.get(noun), sig_j.get(noun)))
     if diff.substituted is None:
-        return Discrepancies(context=context)
+        return Discrepancies(context=context, text=text)
     oq, oj = diff.substituted
     a, b = sig_q.get(oq), sig_j.get(oj)
     if a is None or b is None:
-        return Discrepancies(context=context, size=math.inf, shape=math.inf, color=math.inf)
+        return Discrepancies(context=context, size=math.inf, shape=math.inf, color=math.inf, text=text)
     size = abs(math.log(max(a.area, cfg.area_floor) / max(b.area, cfg.area_floor)))
     return Discrepancies(
         context=context,
         size=size,
         shape=shape_distance(a.mask_tail, b.mask_tail, cfg),
         color=_colour_distance(a, b),
+        text=text,
     )
 
 
@@ -227,14 +240,16 @@ class Thresholds:
     """Thresholds ``tau`` of the compatibility test; ``inf`` switches a dimension off.
 
     Defaults are the paper's certified thresholds on its setup (PAPER step 5; Wan2.2-TI2V-5B,
-    VidProM): context 1.62, size 2.17, shape 1.00, colour 7.58. They are only meaningful for that
-    model; calibrate (:mod:`carnator.reuse.calibrate`) for any other.
+    VidProM): context 1.62, size 2.17, shape 1.00, colour 7.58, and no text threshold (the paper has
+    none). They are only meaningful for that model; calibrate (:mod:`carnator.reuse.calibrate`) for any other.
+    A file without ``text`` (written before it existed) loads with it off.
     """
 
     context: float = 1.62
     size: float = 2.17
     shape: float = 1.00
     color: float = 7.58
+    text: float = math.inf
 
     def __post_init__(self) -> None:
         for k in DIMENSIONS:
