@@ -155,3 +155,23 @@ def test_a_schedule_no_longer_than_the_probe_runs_dense(tmp_path, steps):
     d = eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=steps, policy="dense", store=False)
     assert not r.stats.hit and r.stats.notes["fallback"] == "dense" and r.stats.dit_forwards == 2 * steps
     assert (r.frames == d.frames).all()
+
+
+def test_prefetch_reads_the_first_candidate_beside_the_probe_and_changes_nothing(tmp_path):
+    """CarnatorConfig.prefetch: the first recalled candidate's entry is read in the prefetch thread while the probe
+    runs, and the hit built on it is bit-identical to one that reads it after the decision (prefetch off)."""
+    import threading
+
+    import numpy as np
+
+    results = {}
+    for prefetch in (True, False):
+        eng = make_engine(tmp_path / str(prefetch), OPEN, prefetch=prefetch)
+        eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
+        loads, load = [], eng.bank.load
+        eng.bank.load = lambda entry_id, *a, **k: loads.append(threading.current_thread().name) or load(entry_id, *a, **k)
+        b = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
+        assert b.stats.hit
+        assert [n.startswith("carnator-prefetch") for n in loads] == [prefetch]
+        results[prefetch] = b.frames
+    assert np.array_equal(results[True], results[False])

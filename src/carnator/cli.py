@@ -191,16 +191,24 @@ def cmd_bench(args) -> int:
         stores = order[1:]
         threads = torch.get_num_threads()
         opts = vars(args)
-        with mp.get_context("spawn").Pool(args.jobs) as pool:
+        # On a machine of several GPUs, "--device cuda" spreads the workers over them (job j on GPU j mod count).
+        gpus = torch.cuda.device_count() if str(args.device) == "cuda" and torch.cuda.is_available() else 0
+
+        def on_gpu(j: int) -> dict:
+            return {"_gpu": j % gpus} if gpus > 1 else {}
+
+        # A fresh process per job: a worker's GPU is fixed when CUDA starts in it.
+        with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1 if gpus > 1 else None) as pool:
             t0 = time.perf_counter()
             if stores:
                 n = max(1, args.jobs // len(stores))
-                pool.map(_worker, [(opts, {"policies": p, "worker": True, "shard": {"warm_shard": (k, n)}}, threads)
-                                   for p in stores for k in range(n)], chunksize=1)
-                print(f"warm caches filled in {time.perf_counter() - t0:.0f} s ({len(stores)} x {args.warm} requests, {n} workers each)",
-                      flush=True)
+                jobs = [{"policies": p, "worker": True, "shard": {"warm_shard": (k, n)}} for p in stores for k in range(n)]
+                pool.map(_worker, [(opts, {**o, **on_gpu(j)}, threads) for j, o in enumerate(jobs)], chunksize=1)
+                print(f"warm caches filled in {time.perf_counter() - t0:.0f} s ({len(stores)} x {args.warm} requests, {n} workers each"
+                      f"{f', over {gpus} GPUs' if gpus > 1 else ''})", flush=True)
             t0 = time.perf_counter()
-            pool.map(_worker, [(opts, {"policies": p, "worker": True, "shard": {}}, threads) for p in order], chunksize=1)
+            pool.map(_worker, [(opts, {"policies": p, "worker": True, "shard": {}, **on_gpu(j)}, threads)
+                               for j, p in enumerate(order)], chunksize=1)
             print(f"test streams run in {time.perf_counter() - t0:.0f} s", flush=True)
     rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
                     rule=_quality_rule(args),
@@ -221,6 +229,9 @@ def _worker(job: tuple[dict, dict, int]) -> None:
     import torch
 
     opts, overrides, threads = job
+    overrides = dict(overrides)
+    if "_gpu" in overrides:  # this worker's GPU (bench on several): set before CUDA starts in this fresh process
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(overrides.pop("_gpu"))
     torch.set_num_threads(threads)
     args = argparse.Namespace(**{**opts, "jobs": 1, **overrides})
     code = args.func(args)

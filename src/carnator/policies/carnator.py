@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,9 @@ class CarnatorConfig:
         says where ("auto": only where a block-sparse kernel makes them save time).
     thresholds: a threshold file from ``carnator calibrate``; None = the shipped file for the
         embedded model if it matches, else the paper's tau.
+    prefetch: read the first recalled candidate's entry from the bank in a background thread while the probe
+        runs, so that a hit on it does not wait for the disk (a miss discards it). Not in the paper; chosen
+        default on (docs/BENCHMARKS.md, session 8).
     """
 
     top_k: int = 10
@@ -61,6 +65,7 @@ class CarnatorConfig:
     scope: ScopeConfig = field(default_factory=ScopeConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
     thresholds: str | None = None
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.tested is not None and self.tested < 1:
@@ -79,6 +84,7 @@ class CarnatorPolicy(Policy):
     def __init__(self, config: CarnatorConfig | None = None, **overrides):
         self.cfg = config or CarnatorConfig(**overrides)
         self._tau: Thresholds | None = None
+        self._loader: ThreadPoolExecutor | None = None
 
     # ---- thresholds -----------------------------------------------------------------------------
     def thresholds(self, engine) -> Thresholds:
@@ -161,6 +167,7 @@ class CarnatorPolicy(Policy):
         t0 = time.perf_counter()
         candidates = self.recall(ctx, nouns)
         tm["recall"] = time.perf_counter() - t0
+        prefetched = self._prefetch(ctx, candidates[0][0].id) if candidates and cfg.prefetch else None
 
         t0 = time.perf_counter()
         positions, ev = self.probe(ctx, nouns)
@@ -181,7 +188,7 @@ class CarnatorPolicy(Policy):
             return miss
 
         t0 = time.perf_counter()
-        plan = self._reuse_plan(ctx, won, regions)
+        plan = self._reuse_plan(ctx, won, regions, prefetched)
         tm["plan"] = time.perf_counter() - t0
         if plan is None:
             return miss
@@ -189,14 +196,22 @@ class CarnatorPolicy(Policy):
         plan.notes["candidates"] = len(candidates)
         return plan
 
-    def _reuse_plan(self, ctx, won, regions) -> Plan | None:
+    def _prefetch(self, ctx, entry_id: str) -> tuple[str, Future]:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-prefetch")
+        return entry_id, self._loader.submit(ctx.bank.load, entry_id)
+
+    def _reuse_plan(self, ctx, won, regions, prefetched: tuple[str, Future] | None = None) -> Plan | None:
         cfg, ad, req, st = self.cfg, ctx.adapter, ctx.request, ctx.state
         meta, diff, d = won
         r = self.resume_at()
         n = st.num_steps
         if r >= n:
             return None
-        tensors = ctx.bank.load(meta.id)
+        if prefetched is not None and prefetched[0] == meta.id:
+            tensors = prefetched[1].result()  # the bank's own errors surface here as they would from load()
+        else:
+            tensors = ctx.bank.load(meta.id)
         grid = ad.token_grid(req)
         need = [f"traj.{i}" for i in range(r - 1, n)]
         if tensors is None or any(k not in tensors for k in need):
