@@ -289,12 +289,12 @@ def _replay_policy_class():
             won = super().decide(ctx, sig, candidates)  # the real test runs (and is timed)
             if won is not None or not candidates:
                 return won
-            meta, _, diff = candidates[0]
-            return meta, diff, discrepancies(sig, EarlySignature.from_dict(meta.extra["signature"]), diff, self.cfg.compat)
+            meta, score, diff = candidates[0]
+            return meta, diff, discrepancies(sig, EarlySignature.from_dict(meta.extra["signature"]), diff, self.cfg.compat, score)
 
-        def _reuse_plan(self, ctx, won, regions):
+        def _reuse_plan(self, ctx, won, regions, prefetched=None):
             box = box_for_active_fraction(ctx.adapter.token_grid(ctx.request), self.active_fraction, self.cfg.scope)
-            return super()._reuse_plan(ctx, won, {noun: box for noun in regions})
+            return super()._reuse_plan(ctx, won, {noun: box for noun in regions}, prefetched)
 
     return ReplayPolicy
 
