@@ -544,3 +544,28 @@ def test_backfill_text_is_one_minus_the_recall_cosine():
             {"source": "a", "target": "c", "d": None}]
     backfill_text(rows, emb)
     assert [r["d"] and r["d"].get("text") for r in rows] == [pytest.approx(0.0), pytest.approx(0.4), pytest.approx(1.0), 0.5, None]
+
+
+def test_allowed_unsafe_point_and_bound():
+    """Selection feasibility as a table over the accepted count: the paper's point rule floor(delta k), and the
+    Clopper-Pearson rule (0 unsafe needs 1 - 0.1**(1/k) <= 0.05, i.e. k >= 45 at 90 %; checked against scipy)."""
+    from carnator.reuse.calibrate import allowed_unsafe
+
+    assert allowed_unsafe(45, 0.05).tolist() == [k // 20 for k in range(46)]
+    a = allowed_unsafe(120, 0.05, 0.9)
+    assert a[0] == 0 and (a[1:45] == -1).all() and a[45] == 0
+    for k in range(1, 121):
+        u = int(a[k])
+        assert u < 0 or beta.ppf(0.9, u + 1, k - u) <= 0.05
+        assert u + 1 > k or beta.ppf(0.9, u + 2, k - u - 1) > 0.05  # one more unsafe pair breaks it
+
+
+def test_bound_selection_skips_the_loose_point_a_small_split_favours():
+    """Point rule: 1 unsafe in 20 accepted (5 %) is feasible, so it takes the looser text threshold; the 90 % bound
+    rule needs 45 clean pairs and takes the 50 safe ones at d_text <= 0.1."""
+    good = [CalibrationPair(Discrepancies(1.0, text=0.1), True) for _ in range(50)]
+    loose = [CalibrationPair(Discrepancies(1.0, text=0.3), True) for _ in range(19)] + [CalibrationPair(Discrepancies(1.0, text=0.3), False)]
+    tau, acc, uns = select_thresholds(good + loose, 0.05)
+    assert (tau.text, acc, uns) == (0.3, 70, 1)
+    tau, acc, uns = select_thresholds(good + loose, 0.05, confidence=0.9)
+    assert (tau.text, acc, uns) == (0.1, 50, 0)

@@ -222,8 +222,9 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
                             f"inside the steps, and the noun filter must pass); selection and certification need at least 2")
     res = calibrate([calibration_pair(r) for r in rows], cfg)
     tau_path = out_dir / "thresholds.json"
-    res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule)})
+    res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text})
     summary = {"pairs": len(pairs), **source, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
-               "rule": vars(rule), "result": res.to_dict(), "thresholds_file": str(tau_path)}
+               "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,
+               "result": res.to_dict(), "thresholds_file": str(tau_path)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

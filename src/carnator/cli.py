@@ -140,7 +140,8 @@ def cmd_calibrate(args) -> int:
                       "the pairs it left are generated here, one after another", file=sys.stderr)
     eng = _engine(args)
     summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=_quality_rule(args),
-                              cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold), resume_step=args.resume_step,
+                              cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold,
+                                                    selection_confidence=args.selection_confidence), resume_step=args.resume_step,
                               shard=args.shard, pairs_from=args.pairs_from, warm=args.warm)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
@@ -237,6 +238,18 @@ def _worker(job: tuple[dict, dict, int]) -> None:
     code = args.func(args)
     if code:
         raise CarnatorError(f"{args.func.__name__} worker {overrides} exited with {code}")
+
+
+def _selection_confidence(text: str) -> float | None:
+    if text == "point":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a confidence in (0, 1) or 'point', got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a confidence in (0, 1) or 'point', got {text!r}")
+    return value
 
 
 def _worker_failure(job: tuple[dict, dict, int]) -> str | None:
@@ -403,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--resume-step", type=int, default=None)
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
+    k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",
+                   help="thresholds are feasible in selection when the Clopper-Pearson bound at C of their unsafe share is "
+                        "<= --delta; 'point' (default): when the share itself is (the paper)")
     k.add_argument("--no-text-threshold", dest="text_threshold", action="store_false",
                    help="calibrate the paper's four signature thresholds only, leaving the recall-similarity one off")
     _add_rule_args(k, "quality rule: a reuse is acceptable iff its judge fidelity >= dense's - this (default %(default)s) ...",

@@ -73,6 +73,13 @@ class CalibrationConfig:
     text: bool = True
     """Select a threshold on ``d_text`` (1 - recall cosine) as well; False keeps it off, as the paper (which
     calibrates the four signature dimensions only). Chosen default: on (docs/RESULTS.md, session 8)."""
+    selection_confidence: float | None = None
+    """None (the paper): a selection threshold is feasible when its unsafe share on the selection split is
+    ``<= delta``. A number: when the Clopper-Pearson upper bound of that share at this confidence is. On 480
+    stream pairs the paper's rule picked thresholds that certified on 1 of 20 random splits (the
+    coverage-maximising search lands on the loosest point a small split happens to favour), the bound at 90 %
+    on 11 of 20 (docs/RESULTS.md, session 8); but a bound needs a selection split of >= 45 accepted pairs to
+    accept anything at delta 5 %, so it is no default for the paper's 30 selection pairs."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.delta < 1.0:
@@ -83,6 +90,8 @@ class CalibrationConfig:
             raise ValueError(f"CalibrationConfig: selection_fraction must lie in (0, 1), got {self.selection_fraction}")
         if self.max_candidates < 1:
             raise ValueError("CalibrationConfig: max_candidates must be >= 1")
+        if self.selection_confidence is not None and not 0.0 < self.selection_confidence < 1.0:
+            raise ValueError(f"CalibrationConfig: selection_confidence must lie in (0, 1) or be None, got {self.selection_confidence}")
 
 
 @dataclass(frozen=True)
@@ -197,8 +206,29 @@ def _candidates(col: np.ndarray, max_candidates: int) -> np.ndarray:
     return np.concatenate([[reject], obs, [math.inf]])
 
 
+def allowed_unsafe(n: int, delta: float, confidence: float | None = None) -> np.ndarray:
+    """``a[k]``: the most unsafe pairs a threshold accepting ``k`` pairs may have and stay feasible in selection.
+
+    ``confidence`` None (the paper): the point estimate, ``unsafe <= delta * k``. Else the one-sided Clopper-Pearson
+    upper bound at that confidence must be ``<= delta``. Accepting nothing is always feasible (``a[0] = 0``).
+    """
+    k = np.arange(n + 1)
+    if confidence is None:
+        return np.floor(delta * k + 1e-9).astype(np.int64)
+    out = np.full(n + 1, -1, dtype=np.int64)
+    out[0] = 0
+    for acc in range(1, n + 1):
+        # The bound grows with the unsafe count and falls with the accepted count: start from acc - 1's (not the
+        # forced a[0]).
+        u = out[acc - 1] if acc > 1 else -1
+        while u + 1 <= acc and clopper_pearson_upper(u + 1, acc, confidence) <= delta:
+            u += 1
+        out[acc] = u
+    return out
+
+
 def _search4(r: np.ndarray, unsafe: np.ndarray, keep: np.ndarray, sizes: Sequence[int], n: int, kmax: int,
-             delta: float, rank_offset: int) -> tuple[int, tuple[int, int, int, int]]:
+             allowed: np.ndarray, rank_offset: int) -> tuple[int, tuple[int, int, int, int]]:
     """The best candidate indices of four dimensions over the pairs ``keep`` (see :func:`select_thresholds`)."""
     # Accepted / unsafe counts for every candidate combination are 4-D cumulative sums of the pair
     # histogram over r; sweep dimension 0 and keep a running 3-D slice (memory K^3, time ~K^4).
@@ -215,7 +245,7 @@ def _search4(r: np.ndarray, unsafe: np.ndarray, keep: np.ndarray, sizes: Sequenc
                 idx = (r[sel, 1], r[sel, 2], r[sel, 3])
                 np.add.at(h, idx, 1 if weights is None else weights.astype(np.int64))
                 counts += h.cumsum(0).cumsum(1).cumsum(2)
-        feasible = uns <= delta * acc + 1e-9
+        feasible = uns <= allowed[acc]
         # lexicographic: most accepted, then fewest unsafe, then tightest (smallest rank sum)
         key = np.where(feasible, (acc * (n + 1) + (n - uns)) * (kmax + 1) + (kmax - rank_offset - c0 - ranks123), -1)
         flat = int(np.argmax(key))
@@ -226,8 +256,10 @@ def _search4(r: np.ndarray, unsafe: np.ndarray, keep: np.ndarray, sizes: Sequenc
     return best_key, best
 
 
-def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candidates: int = 64) -> tuple[Thresholds, int, int]:
-    """Grid search for the coverage-maximizing ``tau`` with unsafe rate ``<= delta`` on ``pairs``.
+def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candidates: int = 64,
+                      confidence: float | None = None) -> tuple[Thresholds, int, int]:
+    """Grid search for the coverage-maximizing ``tau`` with unsafe rate ``<= delta`` on ``pairs`` (``confidence``:
+    its Clopper-Pearson upper bound at that confidence, see :func:`allowed_unsafe`).
 
     Returns ``(tau, accepted, unsafe)``. Always feasible: accepting nothing has unsafe rate 0. The four signature
     dimensions are searched by cumulative sums; each candidate of the text dimension (which only removes pairs as
@@ -244,10 +276,11 @@ def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candid
     r = np.stack([np.searchsorted(cands[k], vals[:, k], side="left") for k in range(dims)], axis=1)
     valid = np.all(r < np.array(sizes)[None, :], axis=1)
     kmax = sum(s - 1 for s in sizes)
+    allowed = allowed_unsafe(n, delta, confidence)
     best_key, best = -1, (0,) * dims
     for outer in itertools.product(*(range(s) for s in sizes[4:])):
         keep = valid & np.all(r[:, 4:] <= np.array(outer, dtype=np.int64)[None, :], axis=1)
-        key, inner = _search4(r, unsafe, keep, sizes[:4], n, kmax, delta, sum(outer))
+        key, inner = _search4(r, unsafe, keep, sizes[:4], n, kmax, allowed, sum(outer))
         if key > best_key:
             best_key, best = key, (*inner, *outer)
     tau = Thresholds(**{k: float(cands[i][best[i]]) for i, k in enumerate(DIMENSIONS)})
@@ -262,7 +295,7 @@ def calibrate(pairs: Sequence[CalibrationPair], cfg: CalibrationConfig = Calibra
     sel_idx, cert_idx = split_pairs(len(pairs), cfg)
     sel = [pairs[i] for i in sel_idx]
     cert = [pairs[i] for i in cert_idx]
-    tau, s_acc, s_uns = select_thresholds(sel, cfg.delta, cfg.max_candidates)
+    tau, s_acc, s_uns = select_thresholds(sel, cfg.delta, cfg.max_candidates, cfg.selection_confidence)
     if not cfg.text:
         tau = replace(tau, text=math.inf)
     c_acc, c_uns = evaluate(cert, tau)
