@@ -8,8 +8,9 @@ that is the caller's job). The pairs are split deterministically into a *selecti
 * Selection: grid search over per-dimension candidate thresholds (the observed values, plus
   ``+inf`` = off, plus one value below every observation = reject every applicable pair) for the
   ``tau`` maximizing coverage (share of pairs accepted) subject to unsafe rate (unacceptable among
-  accepted) ``<= delta``. Ties: fewer unsafe pairs, then the tightest thresholds (smallest sum of
-  candidate ranks), which generalize more conservatively.
+  accepted) ``<= delta`` (``CalibrationConfig.selection_confidence``: its Clopper-Pearson bound instead, a
+  deviation). Ties: fewer unsafe pairs, then the tightest thresholds (smallest sum of candidate ranks), which
+  generalize more conservatively. Dimensions: the paper's four and ``text`` (``CalibrationConfig.text``).
 * Certification: apply ``tau`` to the certification set and compute the one-sided Clopper-Pearson
   upper bound on the unsafe rate at confidence ``1 - alpha``; certified iff the bound ``<= delta``.
   Paper: 50 of 70 accepted, 0 unsafe, bound ``1 - 0.1**(1/50) = 4.50 %`` at 90 %.
