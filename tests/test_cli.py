@@ -357,3 +357,15 @@ def test_a_failed_worker_is_reported_not_raised():
     assert _worker_failure(({"func": boom}, {"shard": (1, 2)}, 1)) == "CacheError: cache database x: database is locked"
     assert "exited with 3" in _worker_failure(({"func": lambda args: 3}, {}, 1))
     assert _worker_failure(({"func": lambda args: 0}, {}, 1)) is None
+
+
+def test_a_worker_given_a_gpu_sees_only_that_gpu(monkeypatch):
+    """bench --jobs over several GPUs: a job's "_gpu" becomes the worker's CUDA_VISIBLE_DEVICES (set before CUDA
+    starts in that fresh process) and is not passed on as an option."""
+    from carnator.cli import _worker
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    seen = []
+    assert _worker(({"func": lambda args: seen.append(vars(args)) or 0, "device": "cuda"}, {"_gpu": 3, "policies": "dense"}, 1)) is None
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "_gpu" not in seen[0] and seen[0]["policies"] == "dense" and seen[0]["jobs"] == 1
