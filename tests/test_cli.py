@@ -354,9 +354,10 @@ def test_a_failed_worker_is_reported_not_raised():
     def boom(args):
         raise CacheError("cache database x: database is locked")
 
-    assert _worker_failure(({"func": boom}, {"shard": (1, 2)}, 1)) == "CacheError: cache database x: database is locked"
-    assert "exited with 3" in _worker_failure(({"func": lambda args: 3}, {}, 1))
-    assert _worker_failure(({"func": lambda args: 0}, {}, 1)) is None
+    n = torch.get_num_threads()  # the worker sets its thread count: keep this process's
+    assert _worker_failure(({"func": boom}, {"shard": (1, 2)}, n)) == "CacheError: cache database x: database is locked"
+    assert "exited with 3" in _worker_failure(({"func": lambda args: 3}, {}, n))
+    assert _worker_failure(({"func": lambda args: 0}, {}, n)) is None
 
 
 def test_a_worker_given_a_gpu_sees_only_that_gpu(monkeypatch):
@@ -366,6 +367,6 @@ def test_a_worker_given_a_gpu_sees_only_that_gpu(monkeypatch):
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     seen = []
-    assert _worker(({"func": lambda args: seen.append(vars(args)) or 0, "device": "cuda"}, {"_gpu": 3, "policies": "dense"}, 1)) is None
+    assert _worker(({"func": lambda args: seen.append(vars(args)) or 0, "device": "cuda"}, {"_gpu": 3, "policies": "dense"}, torch.get_num_threads())) is None
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
     assert "_gpu" not in seen[0] and seen[0]["policies"] == "dense" and seen[0]["jobs"] == 1
