@@ -167,7 +167,10 @@ class CarnatorPolicy(Policy):
         t0 = time.perf_counter()
         candidates = self.recall(ctx, nouns)
         tm["recall"] = time.perf_counter() - t0
-        prefetched = self._prefetch(ctx, candidates[0][0].id) if candidates and cfg.prefetch else None
+        # Read the first candidate's entry beside the probe, unless its text distance alone already fails the test.
+        prefetched = None
+        if candidates and cfg.prefetch and 1.0 - candidates[0][1] <= self.thresholds(ctx.engine).text:
+            prefetched = self._prefetch(ctx, candidates[0][0].id)
 
         t0 = time.perf_counter()
         positions, ev = self.probe(ctx, nouns)
