@@ -50,6 +50,16 @@ def test_replayed_hit_on_tiny_wan(tmp_path):
     comp = rep["composed"]
     assert comp["hit"]["hit"] is True and comp["hit"]["resume_step"] == 4
     assert comp["dense"]["timings"]["dit"] > 0 and comp["hit"]["intra_cache"]["kind"] == "taylorseer"
+    # the baselines' replayed hits: NIRVANA resumes at 25 of 50 scaled to 8 steps (4); Chorus's stage 2 starts at
+    # round(0.3 * 8) = 2 over the replayed box; Chorus II runs all 8 steps under the entry's masks
+    b = rep["baselines"]
+    assert set(b) == {"nirvana", "chorus", "chorus2"} and all(row["hit"] for row in b.values())
+    assert (b["nirvana"]["resume_step"], b["nirvana"]["dit_forwards"]) == (4, 2 * 4)
+    assert (b["chorus"]["resume_step"], b["chorus"]["dit_forwards"]) == (2, 2 * 6)
+    assert abs(b["chorus"]["active_fraction"] - 0.4) < 0.1
+    assert (b["chorus2"]["resume_step"], b["chorus2"]["dit_forwards"]) == (0, 2 * 8)
+    assert abs(b["chorus2"]["mask_density"] - 0.5) < 0.1
+    assert b["nirvana"]["entry_bytes"] < b["chorus"]["entry_bytes"]  # one latent against stage 2's range
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["tokens"] == int(np.prod(saved["token_grid"]))
     assert "| dense |" in (tmp_path / "report.md").read_text()
@@ -62,6 +72,11 @@ def test_cli_bench_scale_needs_cuda_or_a_known_size(capsys):
         assert main(["bench-scale", "tiny-wan"]) == 2
         assert "CUDA" in capsys.readouterr().err
     assert main(["bench-scale", "tiny-wan", "--device", "cpu", "--densities", "0.5,x"]) == 2
+    capsys.readouterr()
+    assert main(["bench-scale", "tiny-wan", "--device", "cpu", "--baselines", "nirvana,chorus3"]) == 2
+    assert "unknown chorus3" in capsys.readouterr().err
+    assert main(["bench-scale", "tiny-wan", "--device", "cpu", "--nirvana-resume-step", "50"]) == 2
+    assert "--nirvana-resume-step" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -291,11 +291,20 @@ def cmd_bench_scale(args) -> int:
         raise CarnatorError("--densities must lie in (0, 1]")
     if not 0 < args.active_fraction <= 1:
         raise CarnatorError("--active-fraction must lie in (0, 1]")
+    from .bench.scale import BASELINES
+
+    baselines = tuple(b for b in args.baselines.split(",") if b) if args.baselines != "none" else ()
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown:
+        raise CarnatorError(f"--baselines: unknown {', '.join(unknown)}; choose from {', '.join(BASELINES)} (or none)")
+    if not 0 < args.nirvana_resume_step < 50:
+        raise CarnatorError(f"--nirvana-resume-step is a step of 50 in [1, 50), got {args.nirvana_resume_step}")
     flex_options = _flex_options_arg("--flex-options", args.flex_options, many=False)
     kernel_sweep = _flex_options_arg("--kernel-sweep", args.kernel_sweep, many=True) or []
     cfg = ScaleConfig(model=args.model, frames=args.frames, steps=args.steps, densities=dens, active_fraction=args.active_fraction,
                       resume_step=args.resume_step, mask_stride=args.mask_stride, kernels=not args.no_kernels, device=args.device,
-                      intra_cache=args.intra_cache, flex_options=flex_options, kernel_sweep=kernel_sweep, sparse_kernel=args.sparse_kernel)
+                      intra_cache=args.intra_cache, flex_options=flex_options, kernel_sweep=kernel_sweep, sparse_kernel=args.sparse_kernel,
+                      baselines=baselines, nirvana_resume_step=args.nirvana_resume_step)
     rep = run_scale(cfg, Path(args.out))
     print(to_markdown(rep))
     return 0
@@ -465,6 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--resume-step", type=int, default=None, help="the replayed plan's resume step (default: carnator's, 30)")
     z.add_argument("--mask-stride", type=int, default=5, help="masks recorded every N steps")
     z.add_argument("--no-kernels", action="store_true", help="skip the kernel microbenchmark")
+    z.add_argument("--baselines", default="nirvana,chorus,chorus2",
+                   help="cross-request baselines also timed as replayed hits (comma-separated, or none)")
+    z.add_argument("--nirvana-resume-step", type=int, default=25,
+                   help="the step (of 50) NIRVANA's replayed hit resumes at (25: its table's best case)")
     z.add_argument("--intra-cache", default=None, metavar="SPEC",
                    help="also time a diffusers intra-request cache alone and composed with a hit (e.g. taylorseer; "
                         "residual-driven kinds skip arbitrarily with random weights)")

@@ -304,6 +304,66 @@ def ReplayPolicy(**kw):
     return _replay_policy_class()(**kw)
 
 
+BASELINES = ("nirvana", "chorus", "chorus2")
+
+
+def baseline_replays(cfg: "ScaleConfig", steps: int) -> dict[str, Any]:
+    """The cross-request baselines with their plans replayed, by baseline name; each instance's ``name`` is
+    ``<baseline>-replay``. Their text gate passes any candidate (random weights give no meaningful similarity):
+
+    - ``nirvana``: resumes at ``cfg.nirvana_resume_step`` (of 50, scaled to ``steps``) from the entry's latent;
+    - ``chorus``: its stages as configured (``ChorusConfig``: stage 2 from 0.3 n, stage 3 from 0.8 n), TGAA on the
+      differing word's tokens, its layer window ``cfg.window``; the regions of the differing words replaced by the
+      same centred box carnator's replay uses (``cfg.active_fraction`` of the tokens Active);
+    - ``chorus2``: every step dense-scheduled under the entry's block masks (``cfg.block``, recorded every
+      ``cfg.mask_stride`` steps), the request's own trajectory.
+    """
+    from ..policies.baselines import Chorus2Policy, NirvanaPolicy, TextGate, _nirvana_step
+    from ..policies.chorus import ChorusConfig, ChorusPolicy
+
+    ccfg = _carnator_config(cfg)
+    gate = TextGate(min_similarity=-1.0)
+    k = min(_nirvana_step(cfg.nirvana_resume_step, steps), steps - 1)
+
+    class NirvanaReplay(NirvanaPolicy):
+        name = "nirvana-replay"
+
+        def resume_step(self, similarity: float, num_steps: int) -> int | None:
+            return k
+
+    class ChorusReplay(ChorusPolicy):
+        name = "chorus-replay"
+
+        def regions(self, evidence, source_tensors, diff, positions, grid):
+            return [box_for_active_fraction(tuple(grid), cfg.active_fraction, self.cfg.scope)]
+
+    class Chorus2Replay(Chorus2Policy):
+        name = "chorus2-replay"
+
+    made = {"nirvana": lambda: NirvanaReplay(gate=gate),
+            "chorus": lambda: ChorusReplay(gate=gate, config=ChorusConfig(scope=ccfg.scope, window=cfg.window)),
+            "chorus2": lambda: Chorus2Replay(gate=gate, sparse=ccfg.sparse)}
+    unknown = set(cfg.baselines) - set(made)
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {', '.join(sorted(unknown))}; have {', '.join(BASELINES)}")
+    return {b: made[b]() for b in cfg.baselines}
+
+
+def _baseline_entry_steps(policy, steps: int) -> list[int]:
+    """The trajectory steps a replayed baseline's entry holds: those it resumes from (NIRVANA: ``traj.{k-1}``;
+    Chorus: ``traj.{r-1}`` to ``traj.{s-1}``; Chorus II: none)."""
+    from ..policies.baselines import Chorus2Policy, NirvanaPolicy
+    from ..policies.chorus import ChorusPolicy
+
+    if isinstance(policy, NirvanaPolicy):
+        return [policy.resume_step(1.0, steps) - 1]
+    if isinstance(policy, ChorusPolicy):
+        r, s = policy.cfg.stages(steps)
+        return list(range(r - 1, s))
+    assert isinstance(policy, Chorus2Policy)
+    return []
+
+
 # ---- kernels ---------------------------------------------------------------------------------------
 
 def _time_cuda(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
@@ -456,6 +516,11 @@ class ScaleConfig:
     #: ("dense + cache", the peer) and composed with a carnator hit at the first density. Use a
     #: schedule-driven kind (taylorseer): with random weights a residual-driven one skips arbitrarily.
     intra_cache: str | None = None
+    #: cross-request baselines to time as hits too, each replaying its own plan (see :func:`baseline_replays`)
+    baselines: tuple[str, ...] = ("nirvana", "chorus", "chorus2")
+    #: the step (of 50, scaled to ``steps``) NIRVANA's replayed hit resumes at: 25 is its table's most
+    #: aggressive row (similarity > 0.95), NIRVANA's best case
+    nirvana_resume_step: int = 25
     #: FlexAttention ``kernel_options`` for every flex call of the run (``None``: flex's heuristics)
     flex_options: dict[str, Any] | None = None
     #: the CUDA block-sparse kernel (:func:`~carnator.attention.kernels.set_block_sparse_kernel`): "auto" (Triton's) or "flex"
@@ -534,9 +599,14 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     ccfg = _carnator_config(cfg)
     steps = cfg.steps
     r = max(cfg.resume_step, ccfg.probe_steps)
-    econf = EngineConfig(capture_steps=list(range(r - 1, steps)), latent_dtype="float16", store_video=False)
+    baselines = baseline_replays(cfg, steps)
+    base_steps = {b: _baseline_entry_steps(pol, steps) for b, pol in baselines.items()}
+    first = min([r - 1, *(i for st in base_steps.values() for i in st)])
+    econf = EngineConfig(capture_steps=list(range(first, steps)), latent_dtype="float16", store_video=False)
     eng = Carnator(pipe, CacheBank(cache_root), config=econf, embedder=hashed_embedder(64))
     eng.use_policy(ReplayPolicy(active_fraction=cfg.active_fraction, config=ccfg))
+    for pol in baselines.values():
+        eng.use_policy(pol)
     kw = {"num_frames": frames, "height": spec.height, "width": spec.width, "num_inference_steps": steps,
           "guidance_scale": spec.guidance_scale}
 
@@ -565,7 +635,7 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     progress(f"dense E2E {dense_e2e:.1f}s (DiT {dense.stats.timings['dit']:.1f}s)")
 
     base = eng.bank.load(dense.stats.entry_id)
-    traj = {k: v for k, v in base.items() if k.startswith("traj.") or k == "final"}
+    traj = {k: v for k, v in base.items() if (k.startswith("traj.") and int(k[5:]) >= r - 1) or k == "final"}
     tail_rgb = np.zeros((max(8, spec.height // 8), max(8, spec.width // 8), 3), dtype=np.float32)
     L = eng.adapter.num_layers()
     heads, head_dim = _self_attention_shape(pipe)
@@ -610,6 +680,32 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
         progress(f"hit d={d}: E2E {row['e2e_seconds']:.1f}s speedup {row['speedup_e2e']:.2f}x (hit={row['hit']}, "
                  f"active {row['active_fraction']}, density {row['mask_density']})")
     rep["hits"] = hits
+
+    d0 = cfg.densities[0]
+    rows = {}
+    if baselines:  # the baselines' gate would recall the dense request's own entry (all its latents, no masks)
+        eng.bank.remove(dense.stats.entry_id)
+    for b, pol in baselines.items():
+        tensors = {f"traj.{i}": base[f"traj.{i}"] for i in base_steps[b]}
+        if b == "chorus2":
+            masks = synthetic_masks(heads, n_tok, cfg.block, d0, steps=range(0, steps, cfg.mask_stride), layers=range(L), seed=2, device=dev)
+            tensors.update(masks.to_tensors(MASK_PREFIX))
+        if prev is not None:
+            eng.bank.remove(prev)
+        prev = eng.bank.admit(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
+                              embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps), tensors=tensors,
+                              extra={"steps": steps, "nouns": nouns_src})
+        meta = eng.bank.get(prev)
+        peak_reset()
+        hit = eng.generate(PROMPT_TARGET, seed=0, policy=pol.name, store=False, **kw)
+        row = _stage_row(hit, peak())
+        row.update({"policy": b, "entry_bytes": meta.nbytes, "e2e_seconds": hit.stats.timings["total"],
+                    "speedup_e2e": dense_e2e / hit.stats.timings["total"], "speedup_dit": dense.stats.timings["dit"] / hit.stats.timings["dit"],
+                    "density_requested": d0 if b == "chorus2" else None})
+        rows[b] = row
+        progress(f"{b} hit: E2E {row['e2e_seconds']:.1f}s speedup {row['speedup_e2e']:.2f}x (hit={row['hit']}, resume {row['resume_step']}, "
+                 f"active {row['active_fraction']}, density {row['mask_density']})")
+    rep["baselines"] = rows
 
     if cfg.intra_cache:
         rep["composed"] = _composed(cfg, pipe, req, kw, traj_keys=sorted(traj), ev=ev, sig=sig, nouns=nouns_src, dense_e2e=dense_e2e,
@@ -693,6 +789,11 @@ def to_markdown(rep: dict) -> str:
                      f"{h['timings']['dit']:.2f} | {h['speedup_dit']:.2f}x | {t(h, 'recall')} | {t(h, 'probe')} | {t(h, 'signature')} | "
                      f"{t(h, 'decision')} | {t(h, 'plan')} | {t(h, 'decode')} | {gib(h['peak_gpu_bytes'])} | {h['entry_bytes'] / 1e6:.1f} | "
                      f"{h['entry_load_seconds']:.2f}{'' if h['entry_load_cold'] else ' (warm)'} |")
+    for b, h in rep.get("baselines", {}).items():
+        plan = {"nirvana": f"resume step {h['resume_step']}", "chorus": f"stage 2 from step {h['resume_step']}, active {h['active_fraction'] or 0:.2f}",
+                "chorus2": f"mask density {h['mask_density'] or 0:.2f}"}.get(b, "")
+        lines.append(f"| {b} hit, {plan} | {h['e2e_seconds']:.2f} | {h['speedup_e2e']:.2f}x | {h['timings']['dit']:.2f} | {h['speedup_dit']:.2f}x | "
+                     f"{t(h, 'recall')} | - | - | - | {t(h, 'plan')} | {t(h, 'decode')} | {gib(h['peak_gpu_bytes'])} | {h['entry_bytes'] / 1e6:.1f} | - |")
     if rep["hits"]:
         h = rep["hits"][0]
         over = sum(h["timings"].get(k, 0.0) for k in ("recall", "signature", "decision"))

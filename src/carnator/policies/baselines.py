@@ -67,7 +67,7 @@ class NirvanaPolicy(Policy):
             return Plan()
         meta, sim = near
         n = ctx.state.num_steps
-        k = nirvana_resume_step(float(sim), n)
+        k = self.resume_step(float(sim), n)
         if k is None or k >= n:
             return Plan()
         try:
@@ -77,6 +77,10 @@ class NirvanaPolicy(Policy):
         if tensors is None or tuple(tensors[f"traj.{k - 1}"].shape) != tuple(ctx.state.latents.shape):
             return Plan()
         return Plan(hit=True, source_id=meta.id, resume_step=k, init_latents=tensors[f"traj.{k - 1}"], notes={"similarity": float(sim)})
+
+    def resume_step(self, similarity: float, num_steps: int) -> int | None:
+        """The step a hit of this ``similarity`` resumes at (:func:`nirvana_resume_step`), None: no hit."""
+        return nirvana_resume_step(similarity, num_steps)
 
     def stored_steps(self, num_steps: int) -> set[int]:
         # The latents after the table's steps (5, 10, 15, 20, 25 of 50, scaled): resuming at k reads traj.{k-1}.

@@ -309,15 +309,7 @@ class ChorusPolicy(Policy):
         scope_box: dict[str, Any] = {}
 
         def region_and_blend(i: int, state) -> torch.Tensor:
-            masks = []
-            for w in diff.target_region_words:
-                resp = _response(ctrl.evidence, positions.get(w, []))
-                if resp is not None:
-                    masks.append(cross_attention_region(resp, grid, cfg.region_high, cfg.region_low, cfg.connectivity))
-            for w in diff.source_region_words:
-                resp = tensors.get(XATTN_PREFIX + w) if src_ok else None
-                if resp is not None and resp.numel() == int(np.prod(grid)):
-                    masks.append(cross_attention_region(resp, grid, cfg.region_high, cfg.region_low, cfg.connectivity))
+            masks = self.regions(ctrl.evidence, tensors if src_ok else {}, diff, positions, grid)
             localized = any(m.any() for m in masks)
             scope = reuse_scope(masks if localized else [np.ones(grid, dtype=bool)], cfg.scope)
             scope_box.update(scope=scope, localized=localized)
@@ -345,6 +337,20 @@ class ChorusPolicy(Policy):
             hit=True, source_id=meta.id, resume_step=r, hooks=StepHooks(before_predict=before_predict, after_step=after_step),
             active_fraction=scope.active_fraction, entry_extra=extra, notes=notes,
         )
+
+    def regions(self, evidence, source_tensors, diff: PromptDiff, positions: dict[str, list[int]], grid) -> list[np.ndarray]:
+        """The stage-2 regions, bool ``grid`` each: the differing words' cross-attention regions, the target's from
+        ``evidence`` (recorded at step r of this request), the source's from its stored ``chorus.xattn.<word>``."""
+        cfg, masks = self.cfg, []
+        for w in diff.target_region_words:
+            resp = _response(evidence, positions.get(w, []))
+            if resp is not None:
+                masks.append(cross_attention_region(resp, grid, cfg.region_high, cfg.region_low, cfg.connectivity))
+        for w in diff.source_region_words:
+            resp = source_tensors.get(XATTN_PREFIX + w)
+            if resp is not None and resp.numel() == int(np.prod(grid)):
+                masks.append(cross_attention_region(resp, grid, cfg.region_high, cfg.region_low, cfg.connectivity))
+        return masks
 
     def entry_tensors(self, ctx) -> dict[str, torch.Tensor]:
         """This request's cross-attention response per noun and attribute at step r (float32, (N,))."""
