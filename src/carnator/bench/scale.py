@@ -19,7 +19,9 @@ One call measures one backbone through the real engine, on a CUDA GPU:
    Active-only recomputation in the window with gather/scatter, block-sparse attention through
    compiled FlexAttention, capture of the new request's own masks, VAE decode) runs as in
    serving.
-3. **Kernels**: block-sparse attention (compiled FlexAttention) at density d against d x the
+3. **Baselines' hits** (``ScaleConfig.baselines``): NIRVANA, Chorus and Chorus II on the same target, each from an entry
+   holding only what it reads, with their plans replayed too (:func:`baseline_replays`).
+4. **Kernels**: block-sparse attention (compiled FlexAttention) at density d against d x the
    cuDNN SDPA dense time (the limit), at the backbone's self-attention shape; and the cost of
    building one BlockMask.
 
