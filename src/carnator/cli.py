@@ -47,7 +47,8 @@ def _engine(args):
         from .intra_cache import IntraCacheSpec
 
         IntraCacheSpec.parse(intra)  # a bad kind or option fails before the model loads
-    config = EngineConfig(intra_cache=intra, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype)
+    config = EngineConfig(intra_cache=intra, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
+                          cuda_graphs=getattr(args, "cuda_graphs", False))
     return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device, config=config)
 
 
@@ -456,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the policies in N processes at once (each loads the model; on a GPU the small embedded model "
                         "leaves room for several). Hits and quality equal a one-process run's; the speed columns are then "
                         "measured while the policies share the machine, so take speed from a --jobs 1 run")
+    b.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
     b.add_argument("--latent-dtype", choices=["float32", "float16"], default=None,
                    help="dtype of the latents stored with every entry (default float32; float16 halves the cache, e.g. for W = 1000)")
     b.set_defaults(worker=False, shard={})  # set by _worker only

@@ -39,6 +39,9 @@ class EngineConfig:
     intra_cache: one of diffusers' per-request caches applied to the transformer under every policy
         (None = off): a kind name, "KIND:opt=value,...", or {"kind": KIND, opt: value}; kinds first_block,
         pab, faster, taylorseer, mag (see :mod:`carnator.intra_cache` and docs/METHOD.md).
+    cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
+        applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
+        launch-bound models; the results are the eager forward's (checked on the H200, docs/RESULTS.md).
     """
 
     capture_steps: str | list[int] = "auto"
@@ -48,6 +51,7 @@ class EngineConfig:
     eviction: str = "lru"
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     intra_cache: str | dict[str, Any] | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         cs = self.capture_steps
@@ -130,6 +134,7 @@ class Carnator:
 
         self.intra_cache_spec = IntraCacheSpec.parse(self.config.intra_cache)
         self.adapter.use_intra_cache(self.intra_cache_spec)  # an unsupported kind fails here, before any request
+        self.adapter.use_cuda_graphs(self.config.cuda_graphs)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -262,8 +267,9 @@ class Carnator:
 
         if self.adapter._controller is not None:
             self.adapter._controller.reset()  # nothing of the previous request's attention plan leaks
-        # (Engines sharing one adapter may differ in their intra-request cache: apply this engine's.)
+        # (Engines sharing one adapter may differ in their intra-request cache and CUDA graphs: apply this engine's.)
         intra = self.adapter.use_intra_cache(self.intra_cache_spec)
+        self.adapter.use_cuda_graphs(self.config.cuda_graphs)
         if intra is not None:
             intra.start_request()  # diffusers resets hook state at the end of a pipeline call; we drive the loop, so here
         t0 = time.perf_counter()

@@ -185,6 +185,18 @@ class AttentionController:
         if batch < len(self.branches):
             self.branches = self.branches[len(self.branches) - batch:]
 
+    def idle_at(self, step: int) -> bool:
+        """Whether the processors do nothing but plain attention at ``step``, at every layer: nothing recorded or
+        captured, no masks, no window, no amplification. Such a forward is the unmodified transformer's, and
+        an adapter may replay it as a CUDA graph (no processor code runs in a replay)."""
+        if self.record_step == step or self.masks is not None or self.window is not None:
+            return False
+        s = self.sparse
+        if s is not None and step % s.stride == 0 and (s.steps == "all" or step in s.steps):
+            return False
+        a = self.amplify
+        return a is None or a.scale == 1.0 or (a.steps is not None and step not in a.steps)
+
     # ---- decisions the processors ask for ------------------------------------------------------
     def recording(self, layer: int) -> bool:
         return self.record_step is not None and self.step == self.record_step and layer == self.record_layer and 0 in self.branches

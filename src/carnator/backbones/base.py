@@ -92,6 +92,17 @@ class BackboneAdapter(ABC):
     def __init__(self, pipe):
         self.pipe = pipe
         self._intra = None
+        self._cuda_graphs = False
+
+    #: whether :meth:`predict` can replay idle forwards as CUDA graphs (:meth:`use_cuda_graphs`)
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    def use_cuda_graphs(self, on: bool) -> None:
+        """Replay idle forwards (no recording, masks or window at that step; no intra-request cache) as CUDA
+        graphs on a CUDA device. Families that cannot raise :class:`InvalidRequestError` when asked to."""
+        if on and not self.supports_cuda_graphs:
+            raise InvalidRequestError(f"CUDA graphs are not available for {self.family} (only for the embedded model)")
+        self._cuda_graphs = bool(on)
 
     # ---- attention (probe evidence, sparse connectivity, active-token window) ------------------
     supports_attention: ClassVar[bool] = False

@@ -17,6 +17,29 @@ from .wan import WanAdapter
 log = logging.getLogger("carnator")
 
 
+class GraphedForward:
+    """A function of CUDA tensors captured once as a CUDA graph and replayed: each call copies its inputs into the
+    graph's own input buffers, replays, and returns a copy of the output (the next replay overwrites it)."""
+
+    def __init__(self, fn, example_inputs) -> None:
+        self.inputs = [x.detach().clone().contiguous() for x in example_inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture needs (cuBLAS/cuDNN workspaces)
+            for _ in range(2):
+                fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = fn(*self.inputs)
+
+    def __call__(self, *inputs) -> torch.Tensor:
+        for buf, x in zip(self.inputs, inputs):
+            buf.copy_(x)
+        self.graph.replay()
+        return self.output.clone()
+
+
 @register_adapter
 class EmbeddedAdapter(WanAdapter):
     """The Wan adapter, with the embedded model's text encoder, latent layout and codec.
@@ -87,9 +110,10 @@ class EmbeddedAdapter(WanAdapter):
         s = c.size // c.codec_factor
         return randn_tensor((1, c.latent_channels, c.frames, s, s), generator=generator, device=self.device, dtype=torch.float32)
 
+    supports_cuda_graphs = True
+
     def predict(self, latents, t, step, cond, req):
-        tr = self.transformer
-        x = latents.to(tr.dtype)
+        x = latents.to(self.transformer.dtype)
         with torch.no_grad():
             if cond.do_cfg:
                 xb = x.expand(2, *x.shape[1:])
@@ -99,14 +123,28 @@ class EmbeddedAdapter(WanAdapter):
                 if flip:
                     emb = emb.flip(0)
                 self._branches((1, 0) if flip else (0, 1), step)
-                with self.branch_context("cond_uncond", step, t, req, True):
-                    out = self.pipe.velocity(xb, tb, tr(hidden_states=xb, timestep=tb, encoder_hidden_states=emb, return_dict=False)[0])
+                out = self.pipe.velocity(xb, tb, self._forward("cond_uncond", step, t, req, True, xb, tb, emb))
                 c, u = (out[1:], out[:1]) if flip else (out[:1], out[1:])
                 return u + req.guidance_scale * (c - u)
             self._branches((0,), step)
             t1 = t.expand(1)
-            with self.branch_context("cond", step, t, req, False):
-                return self.pipe.velocity(x, t1, tr(hidden_states=x, timestep=t1, encoder_hidden_states=cond.data["cond"], return_dict=False)[0])
+            return self.pipe.velocity(x, t1, self._forward("cond", step, t, req, False, x, t1, cond.data["cond"]))
+
+    def _forward(self, name, step, t, req, do_cfg, x, tb, emb) -> torch.Tensor:
+        """The transformer's output for one (possibly CFG-batched) forward: replayed from a CUDA graph when graphs
+        are on and nothing is recorded or applied at this step (:meth:`AttentionController.idle_at`), else eager."""
+        ctrl = self._controller
+        if self._cuda_graphs and x.device.type == "cuda" and self._intra is None and (ctrl is None or ctrl.idle_at(step)):
+            graphs = self.__dict__.setdefault("_graphs", {})
+            key = (tuple(x.shape), tuple(emb.shape), x.dtype, emb.dtype)
+            if key not in graphs:
+                graphs[key] = GraphedForward(self._plain_forward, (x, tb, emb))
+            return graphs[key](x, tb, emb)
+        with self.branch_context(name, step, t, req, do_cfg):
+            return self._plain_forward(x, tb, emb)
+
+    def _plain_forward(self, x, tb, emb) -> torch.Tensor:
+        return self.transformer(hidden_states=x, timestep=tb, encoder_hidden_states=emb, return_dict=False)[0]
 
     def decode_tensor(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> pixels (B, 3, T, H, W) in [0, 1] (clamped)."""
