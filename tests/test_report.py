@@ -49,7 +49,8 @@ class FakeEngine:
         cache_dir.mkdir(parents=True, exist_ok=True)
         self.dir = cache_dir
         self.stored.setdefault(cache_dir, set())
-        self.bank = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2))
+        self.bank = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2),
+                                    get=lambda eid: SimpleNamespace(prompt=f"source of {eid}"))
 
     def is_cached(self, prompt, *, seed, num_inference_steps=None):
         return (prompt, seed) in self.stored[self.dir]
@@ -64,7 +65,8 @@ class FakeEngine:
         for t in range(4):  # a moving square, so the GIF keeps 4 distinct frames
             frames[t, 2:6, t:t + 4] = (40 * (i or 0), 200, 17 * len(policy))
         stats = SimpleNamespace(hit=hit, exact_hit=False, resume_step=20 if hit else None, mask_density=None, active_fraction=None,
-                                timings={"total": 1.0 if hit else 2.0, "dit": 0.5 if hit else 1.5})
+                                timings={"total": 1.0 if hit else 2.0, "dit": 0.5 if hit else 1.5},
+                                source_id=f"e{i}" if hit else None, notes={"similarity": 0.5 + i / 10} if hit else {})
         return SimpleNamespace(frames=frames, stats=stats)
 
 
@@ -267,3 +269,19 @@ def test_recall_traces_are_disjoint(tmp_path):
     assert len(set(w) | set(t)) == 40 and not set(w) & set(t)
     with pytest.raises(ValueError, match="distinct prompts"):
         rs.split(len(prompts), 30, 11, seed=1)
+
+
+def test_hit_rows_name_their_source(bench):
+    """Each hit's row records which cached request it reused (its prompt) and the policy's reason (here the
+    similarity the fake engine's plan noted); a miss's row has neither."""
+    import json
+
+    out, _ = bench
+    rows = {(r["policy"], r["i"]): r for r in map(json.loads, (out / "requests.jsonl").read_text().splitlines())}
+    for pol, hits in HITS.items():
+        for i in range(len(TEST_PROMPTS)):
+            r = rows[pol, i]
+            if i in hits:
+                assert r["source_prompt"] == f"source of e{i}" and r["similarity"] == pytest.approx(0.5 + i / 10)
+            else:
+                assert "source_prompt" not in r and "similarity" not in r

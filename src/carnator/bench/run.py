@@ -89,6 +89,12 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 row = {"policy": pol, "i": i, "kind": r.kind, "hit": s.hit, "exact": s.exact_hit, "resume_step": s.resume_step,
                        "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0), "fidelity": j.fidelity, "artifact": j.artifact,
                        "mask_density": s.mask_density, "active_fraction": s.active_fraction}
+                if s.hit and getattr(s, "source_id", None) is not None:  # which cached request it reused, and why (for per-hit analysis)
+                    src = eng.bank.get(s.source_id)
+                    row["source_prompt"] = None if src is None else src.prompt
+                    for key in ("similarity", "discrepancies"):
+                        if key in getattr(s, "notes", {}):
+                            row[key] = s.notes[key]
                 if keep_clips > 0:
                     rel = f"clips/{pol}/{i:04d}.gif"
                     write_video(thumbnail(res.frames), out / rel)
