@@ -29,6 +29,7 @@ from carnator.reuse import (
     noun_diff,
     reuse_scope,
     select_thresholds,
+    separation,
     shape_distance,
     smoothstep,
     split_pairs,
@@ -180,6 +181,22 @@ def test_thresholds_save_load(tmp_path):
 
 
 # ---- calibration -----------------------------------------------------------------------------------
+
+
+def test_separation_is_the_hand_counted_auc():
+    """bad text 0.3, 0.5 vs good 0.1, 0.3, 0.6: bad > good in 1 + 0.5 (tie) + 0 and 1 + 1 + 0 of 6 comparisons."""
+    P = CalibrationPair
+    pairs = [P(Discrepancies(math.inf, None, None, None, 0.3), False), P(Discrepancies(2.0, 0.4, 0.1, 3.0, 0.5), False),
+             P(Discrepancies(1.0, None, None, None, 0.1), True), P(Discrepancies(3.0, 0.1, 0.2, 9.0, 0.3), True),
+             P(Discrepancies(0.5, 0.2, 0.3, 1.0, 0.6), True)]
+    sep = separation(pairs)
+    assert sep["text"] == {"auc": pytest.approx(3.5 / 6), "unacceptable": 2, "acceptable": 3}
+    # context: inf (undefined) is the largest value: bad {inf, 2} vs good {1, 3, 0.5} -> 3 + 2 of 6
+    assert sep["context"]["auc"] == pytest.approx(5 / 6)
+    # size applies to 1 bad (0.4) and 2 good (0.1, 0.2): perfectly separated; shape 0.1 vs 0.2, 0.3: inverted
+    assert sep["size"] == {"auc": pytest.approx(1.0), "unacceptable": 1, "acceptable": 2}
+    assert sep["shape"]["auc"] == pytest.approx(0.0)
+    assert separation(pairs[2:])["text"]["auc"] is None   # no unacceptable pair
 
 
 def test_clopper_pearson_paper_case():

@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import CarnatorError
 from .quality import QualityRule
-from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate
+from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate, separation
 
 
 def _edit_mix() -> tuple[str, ...]:
@@ -220,11 +220,12 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     if len(rows) < 2:
         raise CarnatorError(f"only {len(rows)} of {len(done)} pairs could reuse their source (the resume step must lie "
                             f"inside the steps, and the noun filter must pass); selection and certification need at least 2")
-    res = calibrate([calibration_pair(r) for r in rows], cfg)
+    cal_pairs = [calibration_pair(r) for r in rows]
+    res = calibrate(cal_pairs, cfg)
     tau_path = out_dir / "thresholds.json"
     res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text})
     summary = {"pairs": len(pairs), **source, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
                "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,
-               "result": res.to_dict(), "thresholds_file": str(tau_path)}
+               "separation": separation(cal_pairs), "result": res.to_dict(), "thresholds_file": str(tau_path)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

@@ -8,6 +8,7 @@ from .calibrate import (
     clopper_pearson_upper,
     evaluate,
     select_thresholds,
+    separation,
     split_pairs,
 )
 from .compat import (
@@ -45,6 +46,7 @@ __all__ = [
     "noun_diff",
     "reuse_scope",
     "select_thresholds",
+    "separation",
     "shape_distance",
     "smoothstep",
     "split_pairs",

@@ -37,6 +37,7 @@ __all__ = [
     "clopper_pearson_upper",
     "evaluate",
     "select_thresholds",
+    "separation",
     "split_pairs",
 ]
 
@@ -185,6 +186,32 @@ def evaluate(pairs: Sequence[CalibrationPair], tau: Thresholds) -> tuple[int, in
     t = np.array([getattr(tau, k) for k in DIMENSIONS])
     acc = np.all(vals <= t[None, :], axis=1)  # NaN compares False: rejected
     return int(acc.sum()), int((acc & unsafe).sum())
+
+
+def separation(pairs: Sequence[CalibrationPair]) -> dict[str, dict[str, Any]]:
+    """How well each dimension alone tells unacceptable pairs from acceptable ones.
+
+    Per dimension, over the pairs where it applies: ``auc`` = the probability that a random unacceptable pair has a
+    larger discrepancy than a random acceptable one (ties count half; the Mann-Whitney ``U / (n_bad * n_good)``).
+    1 separates perfectly, 0.5 is chance, below 0.5 means larger discrepancies go with *better* reuses, so a
+    threshold on that dimension can only cost coverage. ``None`` when either class is empty. A diagnostic for
+    why thresholds do or do not certify; the selection itself searches the dimensions jointly.
+    """
+    from scipy.stats import mannwhitneyu
+
+    vals, unsafe = _matrix(pairs)
+    out: dict[str, dict[str, Any]] = {}
+    for j, k in enumerate(DIMENSIONS):
+        col = vals[:, j]
+        ok = np.isfinite(col) | (col == math.inf)   # -inf: not applicable
+        bad, good = col[ok & unsafe], col[ok & ~unsafe]
+        auc = None
+        if len(bad) and len(good):
+            u = mannwhitneyu(np.nan_to_num(bad, posinf=np.finfo(np.float64).max),
+                             np.nan_to_num(good, posinf=np.finfo(np.float64).max), alternative="two-sided").statistic
+            auc = float(u) / (len(bad) * len(good))
+        out[k] = {"auc": auc, "unacceptable": int(len(bad)), "acceptable": int(len(good))}
+    return out
 
 
 def split_pairs(n: int, cfg: CalibrationConfig = CalibrationConfig()) -> tuple[np.ndarray, np.ndarray]:
