@@ -26,16 +26,11 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--densities", default="0.1,0.2,0.3,0.5")
     ap.add_argument("--grid", default="64,128:4,8:2,3,4:0,1", help="BLOCK_N:num_warps:num_stages:warp_specialize lists")
-    ap.add_argument("--persistent", default="", help="also the persistent kernel: BLOCK_N:num_warps:num_stages:programs per SM:item cost:flatten lists")
     ap.add_argument("--skip-flex", action="store_true", help="time flex with its default options only once (faster)")
     ap.add_argument("--out", default="kernel.json")
     args = ap.parse_args()
     axes = [[int(x) for x in part.split(",")] for part in args.grid.split(":")]
     configs = [{"BLOCK_N": bn, "num_warps": w, "num_stages": s, "warp_specialize": bool(ws)} for bn, w, s, ws in itertools.product(*axes)]
-    if args.persistent:
-        paxes = [[float(x) if "." in x else int(x) for x in part.split(",")] for part in args.persistent.split(":")]
-        configs += [{"BLOCK_N": bn, "num_warps": w, "num_stages": s, "persistent": p, "item_cost": c, "flatten": bool(f)}
-                    for bn, w, s, p, c, f in itertools.product(*paxes)]
     rep = kernel_bench(args.heads, args.n, args.head_dim, tuple(float(x) for x in args.densities.split(",")),
                        option_sets=[None] if args.skip_flex else [FLEX_BEST], triton_configs=configs)
     rep["torch"], rep["triton_version"], rep["device"] = torch.__version__, triton.__version__, torch.cuda.get_device_name()

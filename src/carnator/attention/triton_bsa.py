@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
     tl = None
 
-__all__ = ["available", "block_sparse_attention", "kv_lists", "persistent_schedule", "PersistentSchedule", "DEFAULT_CONFIG"]
+__all__ = ["available", "block_sparse_attention", "kv_lists", "DEFAULT_CONFIG"]
 
 #: launch settings (BLOCK_N is the key tile inside a mask block; it must divide the mask block)
 DEFAULT_CONFIG = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "warp_specialize": False}
@@ -43,66 +43,6 @@ def kv_lists(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # a stable sort of "not kept" puts the kept blocks first, each group in ascending block order
     indices = torch.sort((~table).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
     return counts.contiguous(), indices.contiguous()
-
-
-class PersistentSchedule:
-    """The work of one block-sparse call flattened for the persistent kernel: every (batch, head, query block)
-    item's key tiles in one list, cut into ``n_programs`` contiguous runs of about equal cost (a run ends only at
-    an item's end, so no item is split). Built once per mask, as :func:`kv_lists` is.
-
-    ``iter_start (n_programs + 1,)``: each program's first tile; ``item (T + 1,)``: the item of each tile (the
-    extra last entry is -1); ``start_n (T,)``: each tile's first key token; ``has_empty``: some item keeps no key
-    block (its rows are zeros, written by zero-filling the output).
-    """
-
-    def __init__(self, iter_start: torch.Tensor, item: torch.Tensor, start_n: torch.Tensor, has_empty: bool,
-                 shape: tuple[int, int, int], block: int, block_n: int, prog_pos: torch.Tensor, items: torch.Tensor,
-                 item_t0: torch.Tensor, item_cnt: torch.Tensor):
-        self.iter_start, self.item, self.start_n, self.has_empty = iter_start, item, start_n, has_empty
-        self.shape, self.block, self.block_n = shape, block, block_n
-        self.prog_pos, self.items, self.item_t0, self.item_cnt = prog_pos, items, item_t0, item_cnt
-
-    @property
-    def n_programs(self) -> int:
-        return self.iter_start.numel() - 1
-
-
-def persistent_schedule(lists: tuple[torch.Tensor, torch.Tensor], block: int = 128, block_n: int = 128,
-                        n_programs: int | None = None, item_cost: int = 2) -> PersistentSchedule:
-    """The :class:`PersistentSchedule` of ``lists = kv_lists(table)``: items in (batch, head, query block) order,
-    each program a contiguous run of items (consecutive query blocks of one head stream the same keys through
-    L2), cut where the running cost (key tiles, plus ``item_cost`` tiles' worth per item for loading its queries
-    and storing its output) crosses a multiple of total / ``n_programs`` (default: one program per multiprocessor,
-    the occupancy of the default launch settings)."""
-    counts, indices = lists
-    if block % block_n:
-        raise ValueError("block_n must divide block")
-    dev = counts.device
-    if n_programs is None:
-        n_programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    sub = block // block_n
-    b, h, nq = counts.shape
-    c = counts.reshape(-1).long()
-    n_items, nk = c.numel(), indices.shape[-1]
-    keep = torch.arange(nk, device=dev)[None, :] < c[:, None]
-    blocks = indices.reshape(n_items, nk)[keep].long()          # items in order, kept blocks ascending
-    start_n = (blocks[:, None] * block + torch.arange(sub, device=dev)[None, :] * block_n).reshape(-1)
-    iters = c * sub
-    item = torch.repeat_interleave(torch.arange(n_items, device=dev), iters)
-    cost = iters + item_cost * (iters > 0)
-    excl = torch.cumsum(cost, 0) - cost
-    total = int(cost.sum())
-    targets = torch.arange(n_programs + 1, device=dev, dtype=torch.long) * total // n_programs
-    item_start = torch.searchsorted(excl, targets, side="left")
-    item_start[-1] = n_items
-    iter_excl = torch.cat([torch.cumsum(iters, 0) - iters, iters.sum().reshape(1)])
-    iter_start = iter_excl[item_start]
-    item = torch.cat([item, torch.full((1,), -1, device=dev, dtype=torch.long)])
-    nz = torch.nonzero(iters > 0).reshape(-1)
-    prog_pos = torch.searchsorted(nz, item_start, side="left")
-    i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    return PersistentSchedule(i32(iter_start), i32(item), i32(start_n), bool((c == 0).any()), (b, h, nq), block, block_n,
-                              i32(prog_pos), i32(nz), i32(iter_excl[nz]), i32(iters[nz]))
 
 
 if triton is not None:
@@ -178,114 +118,6 @@ if triton is not None:
                  mask=offs_m[:, None] < N_Q)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _bsa_fwd_persistent(
-        Q, K, V, Out, ITER_START, ITEM, START_N,
-        qk_scale,
-        s_qb, s_qh, s_qn,
-        s_kb, s_kh, s_kn,
-        s_vb, s_vh, s_vn,
-        s_ob, s_oh, s_on,
-        H, NQB, N_Q, N_K,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASK_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        """One program per multiprocessor walks its run of key tiles (:class:`PersistentSchedule`) in one loop, so
-        the software pipeline keeps loading across item boundaries and no wave of programs is left half full; at
-        an item's first tile it loads that item's queries and resets the softmax state, at its last it stores."""
-        pid = tl.program_id(0)
-        t0 = tl.load(ITER_START + pid)
-        t1 = tl.load(ITER_START + pid + 1)
-        q = tl.zeros([MASK_BLOCK, HEAD_DIM], dtype=Q.dtype.element_ty)
-        m_i = tl.full([MASK_BLOCK], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([MASK_BLOCK], dtype=tl.float32)
-        acc = tl.zeros([MASK_BLOCK, HEAD_DIM_V], dtype=tl.float32)
-        for t in tl.range(t0, t1):
-            it = tl.load(ITEM + t)
-            prev = tl.load(ITEM + t - 1, mask=t > t0, other=-1)
-            nxt = tl.load(ITEM + t + 1)
-            start_n = tl.load(START_N + t)
-            bh = it // NQB
-            qb = it % NQB
-            b = bh // H
-            h = bh % H
-            if it != prev:
-                q = _load_rows(Q, b, h, qb * MASK_BLOCK, s_qb, s_qh, s_qn, N_Q, MASK_BLOCK, HEAD_DIM, True)
-                m_i = tl.full([MASK_BLOCK], float("-inf"), dtype=tl.float32)
-                l_i = tl.zeros([MASK_BLOCK], dtype=tl.float32)
-                acc = tl.zeros([MASK_BLOCK, HEAD_DIM_V], dtype=tl.float32)
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(K + b * s_kb + h * s_kh + offs_n[:, None] * s_kn + tl.arange(0, HEAD_DIM)[None, :],
-                        mask=offs_n[:, None] < N_K, other=0.0)
-            qk = tl.dot(q, tl.trans(k))
-            if start_n + BLOCK_N > N_K:  # the partial last key block
-                qk = qk + tl.where(offs_n < N_K, 0.0, float("-inf"))[None, :]
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * s_vb + h * s_vh + offs_n[:, None] * s_vn + tl.arange(0, HEAD_DIM_V)[None, :],
-                        mask=offs_n[:, None] < N_K, other=0.0)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
-            if nxt != it:
-                offs_m = qb * MASK_BLOCK + tl.arange(0, MASK_BLOCK)
-                tl.store(Out + b * s_ob + h * s_oh + offs_m[:, None] * s_on + tl.arange(0, HEAD_DIM_V)[None, :],
-                         (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=offs_m[:, None] < N_Q)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _bsa_fwd_flat(
-        Q, K, V, Out, PROG_POS, ITEMS, ITEM_T0, ITEM_CNT, START_N,
-        qk_scale,
-        s_qb, s_qh, s_qn,
-        s_kb, s_kh, s_kn,
-        s_vb, s_vh, s_vn,
-        s_ob, s_oh, s_on,
-        H, NQB, N_Q, N_K,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, MASK_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        """The persistent walk as two nested loops (items, then their key tiles), for Triton to flatten."""
-        pid = tl.program_id(0)
-        p0 = tl.load(PROG_POS + pid)
-        p1 = tl.load(PROG_POS + pid + 1)
-        for pos in tl.range(p0, p1, flatten=True):
-            it = tl.load(ITEMS + pos)
-            t0 = tl.load(ITEM_T0 + pos)
-            cnt = tl.load(ITEM_CNT + pos)
-            bh = it // NQB
-            qb = it % NQB
-            b = bh // H
-            h = bh % H
-            q = _load_rows(Q, b, h, qb * MASK_BLOCK, s_qb, s_qh, s_qn, N_Q, MASK_BLOCK, HEAD_DIM, True)
-            m_i = tl.full([MASK_BLOCK], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([MASK_BLOCK], dtype=tl.float32)
-            acc = tl.zeros([MASK_BLOCK, HEAD_DIM_V], dtype=tl.float32)
-            for j in tl.range(0, cnt):
-                start_n = tl.load(START_N + t0 + j)
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                k = tl.load(K + b * s_kb + h * s_kh + offs_n[:, None] * s_kn + tl.arange(0, HEAD_DIM)[None, :],
-                            mask=offs_n[:, None] < N_K, other=0.0)
-                qk = tl.dot(q, tl.trans(k))
-                qk = qk + tl.where(offs_n < N_K, 0.0, float("-inf"))[None, :]
-                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + b * s_vb + h * s_vh + offs_n[:, None] * s_vn + tl.arange(0, HEAD_DIM_V)[None, :],
-                            mask=offs_n[:, None] < N_K, other=0.0)
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v.dtype), v, acc)
-                m_i = m_new
-            offs_m = qb * MASK_BLOCK + tl.arange(0, MASK_BLOCK)
-            tl.store(Out + b * s_ob + h * s_oh + offs_m[:, None] * s_on + tl.arange(0, HEAD_DIM_V)[None, :],
-                     (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=offs_m[:, None] < N_Q)
-
-
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -308,39 +140,17 @@ def block_sparse_attention(
         raise ValueError("q, k, v must be (B, H, N, D)")
     b, h, nq_tok, d = q.shape
     nk_tok, dv = k.shape[2], v.shape[-1]
+    counts, indices = lists
     nqb = -(-nq_tok // block)
-    if isinstance(lists, PersistentSchedule):
-        if lists.shape != (b, h, nqb) or lists.block != block:
-            raise ValueError(f"persistent schedule of {lists.shape} at block {lists.block} does not fit q {tuple(q.shape)} at block {block}")
-        config = {**(config or {}), "BLOCK_N": lists.block_n}
-    else:
-        counts, indices = lists
-        if tuple(counts.shape) != (b, h, nqb) or indices.shape[:3] != counts.shape or indices.shape[3] < -(-nk_tok // block):
-            raise ValueError(f"key-block lists {tuple(counts.shape)} / {tuple(indices.shape)} do not fit q {tuple(q.shape)}, k {tuple(k.shape)} at block {block}")
+    if tuple(counts.shape) != (b, h, nqb) or indices.shape[:3] != counts.shape or indices.shape[3] < -(-nk_tok // block):
+        raise ValueError(f"key-block lists {tuple(counts.shape)} / {tuple(indices.shape)} do not fit q {tuple(q.shape)}, k {tuple(k.shape)} at block {block}")
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block)  # a key tile never spans two mask blocks
     if block % cfg["BLOCK_N"] or block < 16 or block & (block - 1) or d & (d - 1) or dv & (dv - 1):
         raise ValueError("block, BLOCK_N and the head dims must be powers of two, with BLOCK_N dividing block")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if isinstance(lists, PersistentSchedule):
-        o = (torch.zeros if lists.has_empty else torch.empty)(b, h, nq_tok, dv, dtype=q.dtype, device=q.device)
-        flat = bool(cfg.get("flatten"))
-        kernel = _bsa_fwd_flat if flat else _bsa_fwd_persistent
-        arrays = (lists.prog_pos, lists.items, lists.item_t0, lists.item_cnt, lists.start_n) if flat else (lists.iter_start, lists.item, lists.start_n)
-        kernel[(lists.n_programs,)](
-            q, k, v, o, *arrays,
-            scale * 1.4426950408889634,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            o.stride(0), o.stride(1), o.stride(2),
-            h, nqb, nq_tok, nk_tok,
-            HEAD_DIM=d, HEAD_DIM_V=dv, MASK_BLOCK=block, BLOCK_N=cfg["BLOCK_N"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-        return o
     o = torch.empty(b, h, nq_tok, dv, dtype=q.dtype, device=q.device)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     _bsa_fwd[(nqb, b * h)](
         q, k, v, o, counts, indices,
         scale * 1.4426950408889634,

@@ -467,7 +467,7 @@ def _triton_kernel_rows(q, k, v, tables, full, block, cudnn_ms, reps, configs, d
     """The Triton block-sparse kernel (:mod:`carnator.attention.triton_bsa`) at each launch config: checked
     against the masked SDPA reference on a small odd shape and on the first table here, then timed per table."""
     from ..attention.kernels import _sdpa_masked
-    from ..attention.triton_bsa import block_sparse_attention, kv_lists, persistent_schedule
+    from ..attention.triton_bsa import block_sparse_attention, kv_lists
 
     g = torch.Generator(device=device).manual_seed(1)
     small = [torch.randn(2, 3, 1000, q.shape[-1], device=device, dtype=torch.bfloat16, generator=g) for _ in range(3)]
@@ -475,32 +475,22 @@ def _triton_kernel_rows(q, k, v, tables, full, block, cudnn_ms, reps, configs, d
     small_table[:, :, 0] = False
     ref_small = _sdpa_masked(*[t.float() for t in small], small_table, block, None, None)
     ref_big = _sdpa_masked(q, k, v, tables[0], block, None, None).float()
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    lists = [kv_lists(t) for t in tables]
+    full_lists = kv_lists(full)
     out = []
     for cfg in configs:
         row: dict[str, Any] = {"config": cfg}
-        per_sm = cfg.get("persistent", 0)   # > 0: the persistent kernel, this many programs per multiprocessor
-
-        def build(t, cfg=cfg, per_sm=per_sm):
-            li = kv_lists(t)
-            if per_sm:
-                li = persistent_schedule(li, block, min(cfg.get("BLOCK_N", 128), block), n_programs=int(per_sm * sms),
-                                         item_cost=cfg.get("item_cost", 2))
-            return li
-
         try:
-            got = block_sparse_attention(*small, build(small_table), block, config=cfg).float()
+            got = block_sparse_attention(*small, kv_lists(small_table), block, config=cfg).float()
             row["max_err_small"] = float((got - ref_small).abs().max())
-            lists = [build(t) for t in tables]
             row["max_err_vs_sdpa"] = float((block_sparse_attention(q, k, v, lists[0], block, config=cfg).float() - ref_big).abs().max())
-            full_lists = build(full)
             row["dense_ms"] = _time_cuda(lambda: block_sparse_attention(q, k, v, full_lists, block, config=cfg), reps)
             row["rows"] = []
             for t, li in zip(tables, lists):
                 dens = float(t.float().mean())
                 ms = _time_cuda(lambda li=li: block_sparse_attention(q, k, v, li, block, config=cfg), reps)
                 row["rows"].append({"density": round(dens, 4), "ms": ms, "limit_ms": dens * cudnn_ms, "ratio_to_limit": ms / (dens * cudnn_ms),
-                                    "lists_build_ms": _time_cuda(lambda t=t: build(t), reps)})
+                                    "lists_build_ms": _time_cuda(lambda t=t: kv_lists(t), reps)})
         except Exception as e:  # noqa: BLE001 - a launch config the compiler rejects is a result
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         out.append(row)
