@@ -115,8 +115,6 @@ def main():
     ap.add_argument("--probe-steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--flow-shift", type=float, default=None, help="sample (and probe) with this flow shift instead of the model's")
-    ap.add_argument("--probe-sigma", type=float, default=None,
-                    help="sample (and probe) with the front-loaded schedule reaching this sigma at the last probe step (EmbeddedConfig.probe_sigma)")
     ap.add_argument("--weights", default=None, help="a train_embedded.py --out directory instead of the shipped weights")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--machine", default="2-core CPU dev box (torch threads 1)", help="for the report")
@@ -127,11 +125,8 @@ def main():
     t_all = time.time()
 
     pipe = load_pipeline(args.device) if args.weights is None else load_pipeline(args.device, Path(args.weights) / "weights.safetensors", Path(args.weights) / "weights.json")
-    if args.flow_shift is not None or args.probe_sigma is not None:
-        if args.flow_shift is not None:
-            pipe.cfg.flow_shift = args.flow_shift
-        if args.probe_sigma is not None:
-            pipe.cfg.probe_sigma, pipe.cfg.probe_steps = args.probe_sigma, args.probe_steps
+    if args.flow_shift is not None:
+        pipe.cfg.flow_shift = args.flow_shift
         pipe.scheduler = build_scheduler(pipe.cfg)
     ad = EmbeddedAdapter(pipe)
     L = ad.num_layers()
@@ -282,7 +277,6 @@ def main():
         "",
         f"Command: `python scripts/measure_probe.py -n {args.n} --gen {G} --seed {args.seed}"
         + (f" --flow-shift {args.flow_shift:g}" if args.flow_shift is not None else "")
-        + (f" --probe-sigma {args.probe_sigma:g}" if args.probe_sigma is not None else "")
         + (f" --gen-steps {args.gen_steps}" if args.gen_steps else "")
         + (f" --weights {args.weights}" if args.weights else "") + "`",
         f"Machine: {args.machine}. Date: {datetime.date.today().isoformat()}. "

@@ -368,9 +368,8 @@ def main() -> int:
     return 0
 
 
-def evaluate(out: Path | None, dev, n: int, flow_shift: float, probe_sigma: float | None = None) -> tuple[dict, np.ndarray]:
-    """Held-out judge fidelity of the EMA weights in ``out`` (None: the shipped weights), sampled with ``flow_shift``
-    (and the front-loaded schedule of ``probe_sigma``, EmbeddedConfig.probe_sigma); and the first 24 clips."""
+def evaluate(out: Path, dev, n: int, flow_shift: float) -> tuple[dict, np.ndarray]:
+    """Held-out judge fidelity of the EMA weights in ``out``, sampled with ``flow_shift``; and the first 24 clips."""
     import multiprocessing as mp
     import os
 
@@ -380,8 +379,8 @@ def evaluate(out: Path | None, dev, n: int, flow_shift: float, probe_sigma: floa
     from carnator.world.judge import judge
     from carnator.world.render import to_uint8
 
-    ev = load_pipeline(dev) if out is None else load_pipeline(dev, out / "weights.safetensors", out / "weights.json")
-    ev.cfg.flow_shift, ev.cfg.probe_sigma = flow_shift, probe_sigma
+    ev = load_pipeline(dev, out / "weights.safetensors", out / "weights.json")
+    ev.cfg.flow_shift = flow_shift
     ev.scheduler = build_scheduler(ev.cfg)
     rng = np.random.default_rng(12345)
     scenes = sample_scenes(n, rng, split="heldout")
@@ -396,9 +395,8 @@ def evaluate(out: Path | None, dev, n: int, flow_shift: float, probe_sigma: floa
     for r in reps:
         for k, v in r.checks.items():
             acc.setdefault(k.split(".")[-1], []).append(v)
-    if out is not None:
-        (out / "eval_captions.json").write_text(json.dumps(caps[:24]))
-    res = {"n": n, "flow_shift": flow_shift, "probe_sigma": probe_sigma, "fidelity": float(np.mean([r.fidelity for r in reps])),
+    (out / "eval_captions.json").write_text(json.dumps(caps[:24]))
+    res = {"n": n, "flow_shift": flow_shift, "fidelity": float(np.mean([r.fidelity for r in reps])),
            "artifact": float(np.mean([r.artifact for r in reps])), "gen_seconds": round(gen_s, 1),
            "per_attribute": {k: round(float(np.mean(v)), 3) for k, v in acc.items()}}
     return res, frames[:24]

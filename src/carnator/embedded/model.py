@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,11 +37,6 @@ class EmbeddedConfig:
     text_heads: int = 4
     max_words: int = 24
     flow_shift: float = 2.0
-    #: None: the plain shifted schedule. A number: the first ``probe_steps`` steps descend evenly from 1 to this
-    #: sigma (the 4th forward sees it), the rest follow the shifted schedule scaled to start there, so that the
-    #: probe reads a prediction past the noise level where the object's place is decided (docs/PROBE.md).
-    probe_sigma: float | None = None
-    probe_steps: int = 4
     #: what the transformer outputs: "x0" (the clean latent; converted to the flow velocity the
     #: scheduler expects) or "velocity". Pixel-space tokens are high-dimensional (2x8x8x3 = 384
     #: values per token), where x0-prediction learns and velocity-prediction does not (Li & He 2025,
@@ -156,37 +150,10 @@ def build_transformer(cfg: EmbeddedConfig):
     )
 
 
-def front_loaded_sigmas(steps: int, flow_shift: float, probe_sigma: float, probe_steps: int = 4) -> np.ndarray:
-    """The ``steps`` sigmas (after the flow shift) of the front-loaded schedule: ``probe_steps`` even steps from 1
-    down to ``probe_sigma`` (index ``probe_steps - 1`` is ``probe_sigma``), then the shifted schedule of the
-    remaining steps, scaled to start at ``probe_sigma``, without repeating it."""
-    if not 0.0 < probe_sigma < 1.0 or not 1 <= probe_steps < steps:
-        raise ValueError(f"probe_sigma must lie in (0, 1) and probe_steps in [1, {steps}), got {probe_sigma}, {probe_steps}")
-    head = 1.0 - (1.0 - probe_sigma) * np.arange(probe_steps) / max(probe_steps - 1, 1) if probe_steps > 1 else np.array([probe_sigma])
-    m = steps - probe_steps + 1
-    pre = np.linspace(1.0, 1.0 / 1000, m + 1)[:-1]
-    tail = probe_sigma * flow_shift * pre / (1 + (flow_shift - 1) * pre)
-    return np.concatenate([head, tail[1:]])
-
-
 def build_scheduler(cfg: EmbeddedConfig):
     from diffusers import UniPCMultistepScheduler
 
-    kw = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=cfg.flow_shift, num_train_timesteps=1000)
-    if cfg.probe_sigma is None:
-        return UniPCMultistepScheduler(**kw)
-
-    class FrontLoadedUniPC(UniPCMultistepScheduler):
-        """UniPC whose default schedule is :func:`front_loaded_sigmas` (passed through the shift's inverse, which
-        ``set_timesteps`` applies to given sigmas)."""
-
-        def set_timesteps(self, num_inference_steps=None, device=None, sigmas=None, mu=None):
-            if sigmas is None and num_inference_steps is not None and num_inference_steps > cfg.probe_steps:
-                post = front_loaded_sigmas(num_inference_steps, cfg.flow_shift, cfg.probe_sigma, cfg.probe_steps)
-                sigmas = post / (cfg.flow_shift - (cfg.flow_shift - 1) * post)
-            return super().set_timesteps(num_inference_steps, device=device, sigmas=sigmas, mu=mu)
-
-    return FrontLoadedUniPC(**kw)
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=cfg.flow_shift, num_train_timesteps=1000)
 
 
 class EmbeddedPipeline:
