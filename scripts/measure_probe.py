@@ -53,6 +53,7 @@ EPS = (0.0, 0.1, 0.3, 1.0)
 GAMMA = (0.5, 1.0, 2.0)
 HL = ((0.3, 0.15), (0.4, 0.2), (0.5, 0.25), (0.6, 0.3), (0.7, 0.4))
 POS = (0.01, 0.02, 0.05)
+MODIFIERS = 0  # --modifiers
 CROSS_HL = ((0.3, 0.15), (0.4, 0.2), (0.5, 0.25), (0.6, 0.3), (0.7, 0.4))
 
 
@@ -63,7 +64,7 @@ def probe_all_layers(ad: EmbeddedAdapter, prompt: str, seed: int, words: list[st
     req = ad.resolve(prompt, seed=seed)
     cond = ad.encode(req)
     st = denoise.start(ad, req)
-    positions = {w: ad.word_token_positions(prompt, w) for w in words}
+    positions = {w: ad.word_token_positions(prompt, w, MODIFIERS) for w in words}
     ctrl.record_positions = sorted({p for ps in positions.values() for p in ps})
     ctrl.record_step = probe_steps - 1
     store: dict[int, object] = {}
@@ -119,7 +120,10 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--machine", default="2-core CPU dev box (torch threads 1)", help="for the report")
     ap.add_argument("--out", default="docs/PROBE.md")
+    ap.add_argument("--modifiers", type=int, default=0, help="read each noun with up to this many modifying words (CarnatorConfig.modifiers)")
     args = ap.parse_args()
+    global MODIFIERS
+    MODIFIERS = args.modifiers
     if args.device == "cpu":
         torch.set_num_threads(1)
     t_all = time.time()
@@ -277,6 +281,7 @@ def main():
         "",
         f"Command: `python scripts/measure_probe.py -n {args.n} --gen {G} --seed {args.seed}"
         + (f" --flow-shift {args.flow_shift:g}" if args.flow_shift is not None else "")
+        + (f" --modifiers {args.modifiers}" if args.modifiers else "")
         + (f" --gen-steps {args.gen_steps}" if args.gen_steps else "")
         + (f" --weights {args.weights}" if args.weights else "") + "`",
         f"Machine: {args.machine}. Date: {datetime.date.today().isoformat()}. "

@@ -225,6 +225,8 @@ def test_word_token_positions(family):
     assert pos == [k + first + j for j in range(4)] + [k + last + j for j in range(4)]  # not "balloon"
     assert [ids[p] for p in pos] == [3 + b for b in b"Ballball"]
     assert ad.word_token_positions(prompt, "cat") == []
+    # with its modifier: "red Ball" (the space between is a token of the span too); the last "ball" has none
+    assert ad.word_token_positions(prompt, "ball", 2) == [k + first - 4 + j for j in range(8)] + [k + last + j for j in range(4)]
 
     # The ids are the ones the transformer's text sequence is made of (after any template crop).
     seen = {}

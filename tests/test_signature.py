@@ -303,3 +303,38 @@ def test_expansion_on_torch_tensors_equals_numpy():
     want = self_attention_expansion(ap.numpy(), an.numpy())
     assert isinstance(got, np.ndarray) and got.shape == (50,)
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+# ---- noun phrases (CarnatorConfig.modifiers) ---------------------------------------------------------------
+
+
+def test_noun_phrase_spans_hand_cases():
+    from carnator.signature.nouns import noun_phrase_spans
+
+    t = "a video of a big red ball, two cats and a tiny Blue star on grass; red ball"
+
+    def words(noun, m):
+        return [t[a:b] for a, b in noun_phrase_spans(t, noun, m)]
+
+    assert words("ball", 0) == ["ball", "ball"]
+    assert words("ball", 1) == ["red ball", "red ball"]
+    assert words("ball", 3) == ["big red ball", "red ball"]   # stops at the article, and at the ";"
+    assert words("cats", 3) == ["cats"]                       # "two" is a stop word
+    assert words("STAR", 2) == ["tiny Blue star"]             # case-insensitive
+    assert words("grass", 3) == ["grass"]                     # "on"
+    assert words("balloon", 3) == [] and words("bal", 3) == []   # whole words only
+
+
+def test_embedded_positions_with_modifiers_are_per_occurrence():
+    """One token per known word: "a video of a big red ball moving left and a tiny red star on grass"."""
+    from carnator.backbones.embedded import EmbeddedAdapter
+    from carnator.embedded import load_pipeline
+
+    ad = EmbeddedAdapter(load_pipeline("cpu"))
+    p = "a video of a big red ball moving left and a tiny red star on grass, 4k"
+    assert ad.word_token_positions(p, "ball") == [6]
+    assert ad.word_token_positions(p, "ball", 3) == [4, 5, 6]
+    assert ad.word_token_positions(p, "star", 1) == [12, 13]   # its own "red", not the ball's
+    assert ad.word_token_positions(p, "grass", 3) == [15]
+    # an unknown word is not a token: the positions after it shift as the transformer sees them
+    assert ad.word_token_positions("a big zorblax red ball", "ball", 3) == [1, 2, 3]

@@ -365,16 +365,19 @@ class BackboneAdapter(ABC):
     def prompt_token_ids(self, prompt: str) -> list[int]:
         """Token ids of the prompt exactly as the transformer sees them (cond branch, unpadded)."""
 
-    def word_token_positions(self, prompt: str, word: str) -> list[int]:
-        """Positions (in the transformer's text sequence) of the tokens that spell ``word`` in ``prompt``.
+    def word_token_positions(self, prompt: str, word: str, modifiers: int = 0) -> list[int]:
+        """Positions (in the transformer's text sequence) of the tokens that spell ``word`` in ``prompt``, with up to
+        ``modifiers`` words modifying each occurrence (:func:`~carnator.signature.nouns.noun_phrase_spans`).
 
         Found by tokenizing the prompt with offsets and keeping the tokens whose character span
-        overlaps an occurrence of ``word`` (case-insensitive, whole word).
+        overlaps an occurrence (case-insensitive, whole word).
         """
+        from ..signature.nouns import noun_phrase_spans
+
         tok = self.pipe.tokenizer
         text = self.clean_prompt(prompt)
         enc = tok(text, return_offsets_mapping=True, add_special_tokens=True)
-        spans = [(m.start(), m.end()) for m in re.finditer(rf"\b{re.escape(word)}\b", text, flags=re.IGNORECASE)]
+        spans = noun_phrase_spans(text, word, modifiers)
         out = []
         for i, (a, b) in enumerate(enc["offset_mapping"]):
             if b > a and any(a < e and b > s for s, e in spans):

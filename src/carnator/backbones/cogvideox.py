@@ -110,8 +110,8 @@ class CogVideoXAdapter(BackboneAdapter):
     def prompt_token_ids(self, prompt: str) -> list[int]:
         return self.pipe.tokenizer(prompt, add_special_tokens=True, truncation=True, max_length=self.max_sequence_length)["input_ids"]
 
-    def word_token_positions(self, prompt: str, word: str) -> list[int]:
-        return [i for i in super().word_token_positions(prompt, word) if i < self.max_sequence_length]
+    def word_token_positions(self, prompt: str, word: str, modifiers: int = 0) -> list[int]:
+        return [i for i in super().word_token_positions(prompt, word, modifiers) if i < self.max_sequence_length]
 
     def encode(self, req: Request) -> Conditioning:
         do_cfg = req.guidance_scale > 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 
 import numpy as np
 import torch
@@ -86,9 +87,22 @@ class EmbeddedAdapter(WanAdapter):
         known, _ = self.pipe.tokenizer.split(prompt)
         return [self.pipe.tokenizer.ids[w] for w in known]
 
-    def word_token_positions(self, prompt: str, word: str) -> list[int]:
-        known, _ = self.pipe.tokenizer.split(prompt)
-        return [i for i, w in enumerate(known) if w == word.lower()]
+    def word_token_positions(self, prompt: str, word: str, modifiers: int = 0) -> list[int]:
+        """One token per known word (unknown words are dropped, the sequence is cut at ``max_words``)."""
+        from ..signature.nouns import noun_phrase_spans
+
+        tok = self.pipe.tokenizer
+        spans = noun_phrase_spans(prompt, word, modifiers)
+        out, k = [], 0
+        for m in re.finditer(r"[a-z0-9]+", prompt.lower()):
+            if m.group(0) not in tok.ids:
+                continue
+            if k >= tok.max_words:
+                break
+            if any(m.start() < e and m.end() > s for s, e in spans):
+                out.append(k)
+            k += 1
+        return out
 
     def encode(self, req: Request) -> Conditioning:
         unknown = self.unknown_words(req.prompt)

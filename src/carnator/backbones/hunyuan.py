@@ -9,7 +9,6 @@ attention the text tokens sit *after* the video tokens: joint index = video toke
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
@@ -110,15 +109,18 @@ class HunyuanVideoAdapter(BackboneAdapter):
         """The Llama token ids the transformer sees for ``prompt``: the templated sequence after the crop."""
         return self._llama_encoding(prompt)[1]["input_ids"][self._crop_start():]
 
-    def word_token_positions(self, prompt: str, word: str) -> list[int]:
-        """Indices into the transformer's text sequence (after the crop) of the tokens spelling ``word``.
+    def word_token_positions(self, prompt: str, word: str, modifiers: int = 0) -> list[int]:
+        """Indices into the transformer's text sequence (after the crop) of the tokens spelling ``word`` (with up to
+        ``modifiers`` words modifying it, :func:`~carnator.signature.nouns.noun_phrase_spans`).
 
         Only occurrences inside the prompt count, never inside the template around it.
         """
+        from ..signature.nouns import noun_phrase_spans
+
         _, enc = self._llama_encoding(prompt, return_offsets_mapping=True)
         pre = self.prompt_template["template"].split("{}", 1)[0]
         start = len(pre.replace("{{", "{").replace("}}", "}"))
-        spans = [(start + m.start(), start + m.end()) for m in re.finditer(rf"\b{re.escape(word)}\b", prompt, flags=re.IGNORECASE)]
+        spans = [(start + a, start + b) for a, b in noun_phrase_spans(prompt, word, modifiers)]
         crop = self._crop_start()
         return [
             i - crop

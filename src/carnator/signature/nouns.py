@@ -42,6 +42,29 @@ def spacy_available() -> bool:
     return _spacy() is not None
 
 
+_WORD = re.compile(r"[A-Za-z0-9]+(?:-[A-Za-z0-9]+)?")
+
+
+def noun_phrase_spans(text: str, noun: str, modifiers: int = 0) -> list[tuple[int, int]]:
+    """Character spans of every whole-word, case-insensitive occurrence of ``noun`` in ``text``, each extended to the
+    left over at most ``modifiers`` words that modify it: the words right before it, up to a stop word (article,
+    preposition, conjunction, pronoun, number word, ...) or punctuation ("a big red ball, two cats" -> "big red
+    ball" for "ball" at ``modifiers >= 2``; "cats" keeps no modifier). ``modifiers=0``: the noun's own spans."""
+    toks = [(m.group(0).lower(), m.start(), m.end()) for m in _WORD.finditer(text)]
+    out = []
+    for i, (w, s, e) in enumerate(toks):
+        if w != noun.lower():
+            continue
+        start, j = s, i - 1
+        while j >= 0 and i - j <= modifiers:
+            pw, ps, pe = toks[j]
+            if pw in _STOP or text[pe:toks[j + 1][1]].strip():
+                break
+            start, j = ps, j - 1
+        out.append((start, e))
+    return out
+
+
 def fallback_nouns(text: str) -> list[str]:
     """Dependency-free nouns: exact for the shapes world, a heuristic elsewhere."""
     from ..world.captions import nouns as world_nouns
