@@ -323,6 +323,8 @@ def test_noun_phrase_spans_hand_cases():
     assert words("STAR", 2) == ["tiny Blue star"]             # case-insensitive
     assert words("grass", 3) == ["grass"]                     # "on"
     assert words("balloon", 3) == [] and words("bal", 3) == []   # whole words only
+    assert noun_phrase_spans("a sky-blue ball", "ball", 2) == [(6, 15)]   # "blue ball": "-" is not a space
+    assert noun_phrase_spans("a ball-like toy", "ball", 0) == [(2, 6)]    # a whole word, as \b sees it
 
 
 def test_embedded_positions_with_modifiers_are_per_occurrence():

@@ -42,26 +42,22 @@ def spacy_available() -> bool:
     return _spacy() is not None
 
 
-_WORD = re.compile(r"[A-Za-z0-9]+(?:-[A-Za-z0-9]+)?")
-
-
 def noun_phrase_spans(text: str, noun: str, modifiers: int = 0) -> list[tuple[int, int]]:
     """Character spans of every whole-word, case-insensitive occurrence of ``noun`` in ``text``, each extended to the
     left over at most ``modifiers`` words that modify it: the words right before it, up to a stop word (article,
-    preposition, conjunction, pronoun, number word, ...) or punctuation ("a big red ball, two cats" -> "big red
-    ball" for "ball" at ``modifiers >= 2``; "cats" keeps no modifier). ``modifiers=0``: the noun's own spans."""
-    toks = [(m.group(0).lower(), m.start(), m.end()) for m in _WORD.finditer(text)]
+    preposition, conjunction, pronoun, number word, ...) or anything but spaces between two words ("a big red ball,
+    two cats" -> "big red ball" for "ball" at ``modifiers >= 2``; "cats" keeps no modifier). ``modifiers=0``: the
+    noun's own spans. (Chorus's prompt diff names attributes from an adjective lexicon instead,
+    :func:`carnator.policies.chorus.attributes`: it compares words, this marks tokens.)"""
+    words = list(re.finditer(r"[A-Za-z0-9]+", text))
     out = []
-    for i, (w, s, e) in enumerate(toks):
-        if w != noun.lower():
-            continue
-        start, j = s, i - 1
-        while j >= 0 and i - j <= modifiers:
-            pw, ps, pe = toks[j]
-            if pw in _STOP or text[pe:toks[j + 1][1]].strip():
+    for m in re.finditer(rf"\b{re.escape(noun)}\b", text, flags=re.IGNORECASE):
+        start, taken = m.start(), 0
+        for w in reversed([w for w in words if w.end() <= m.start()]):
+            if taken >= modifiers or w.group(0).lower() in _STOP or text[w.end():start].strip():
                 break
-            start, j = ps, j - 1
-        out.append((start, e))
+            start, taken = w.start(), taken + 1
+        out.append((start, m.end()))
     return out
 
 
