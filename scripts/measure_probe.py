@@ -53,18 +53,17 @@ EPS = (0.0, 0.1, 0.3, 1.0)
 GAMMA = (0.5, 1.0, 2.0)
 HL = ((0.3, 0.15), (0.4, 0.2), (0.5, 0.25), (0.6, 0.3), (0.7, 0.4))
 POS = (0.01, 0.02, 0.05)
-MODIFIERS = 0  # --modifiers
 CROSS_HL = ((0.3, 0.15), (0.4, 0.2), (0.5, 0.25), (0.6, 0.3), (0.7, 0.4))
 
 
-def probe_all_layers(ad: EmbeddedAdapter, prompt: str, seed: int, words: list[str], probe_steps: int):
+def probe_all_layers(ad: EmbeddedAdapter, prompt: str, seed: int, words: list[str], probe_steps: int, modifiers: int = 0):
     """Run the first ``probe_steps`` steps; return ({layer: EvidenceRecord}, {word: positions}, tail RGB)."""
     ctrl = ad.attention()
     ctrl.reset()
     req = ad.resolve(prompt, seed=seed)
     cond = ad.encode(req)
     st = denoise.start(ad, req)
-    positions = {w: ad.word_token_positions(prompt, w, MODIFIERS) for w in words}
+    positions = {w: ad.word_token_positions(prompt, w, modifiers) for w in words}
     ctrl.record_positions = sorted({p for ps in positions.values() for p in ps})
     ctrl.record_step = probe_steps - 1
     store: dict[int, object] = {}
@@ -122,8 +121,6 @@ def main():
     ap.add_argument("--out", default="docs/PROBE.md")
     ap.add_argument("--modifiers", type=int, default=0, help="read each noun with up to this many modifying words (CarnatorConfig.modifiers)")
     args = ap.parse_args()
-    global MODIFIERS
-    MODIFIERS = args.modifiers
     if args.device == "cpu":
         torch.set_num_threads(1)
     t_all = time.time()
@@ -177,7 +174,7 @@ def main():
     probes = []
     for i in range(args.n):
         words = caption_nouns(caps[i])
-        store, positions, tail = probe_all_layers(ad, caps[i], i, words, args.probe_steps)
+        store, positions, tail = probe_all_layers(ad, caps[i], i, words, args.probe_steps, args.modifiers)
         probes.append((words, store, positions, tail.astype(np.float64)))
         obj_words = words[:-1]
         skipped_dup += sum(obj_words.count(w) > 1 for w in obj_words)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 
 import numpy as np
 import torch
@@ -91,18 +90,8 @@ class EmbeddedAdapter(WanAdapter):
         """One token per known word (unknown words are dropped, the sequence is cut at ``max_words``)."""
         from ..signature.nouns import noun_phrase_spans
 
-        tok = self.pipe.tokenizer
         spans = noun_phrase_spans(prompt, word, modifiers)
-        out, k = [], 0
-        for m in re.finditer(r"[a-z0-9]+", prompt.lower()):
-            if m.group(0) not in tok.ids:
-                continue
-            if k >= tok.max_words:
-                break
-            if any(m.start() < e and m.end() > s for s, e in spans):
-                out.append(k)
-            k += 1
-        return out
+        return [k for k, (a, b) in enumerate(self.pipe.tokenizer.token_spans(prompt)) if any(a < e and b > s for s, e in spans)]
 
     def encode(self, req: Request) -> Conditioning:
         unknown = self.unknown_words(req.prompt)

@@ -102,6 +102,11 @@ class WordTokenizer:
         ws = self.words(text)
         return [w for w in ws if w in self.ids][: self.max_words], [w for w in ws if w not in self.ids]
 
+    def token_spans(self, text: str) -> list[tuple[int, int]]:
+        """Character span in ``text`` of each token :meth:`split` keeps (known words, cut at ``max_words``)."""
+        spans = [m.span() for m in re.finditer(r"[a-z0-9]+", text.lower()) if m.group(0) in self.ids]
+        return spans[: self.max_words]
+
     def __call__(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.zeros(len(texts), self.max_words, dtype=torch.long)
         for i, t in enumerate(texts):

@@ -203,13 +203,11 @@ def separation(pairs: Sequence[CalibrationPair]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for j, k in enumerate(DIMENSIONS):
         col = vals[:, j]
-        ok = np.isfinite(col) | (col == math.inf)   # -inf: not applicable
+        ok = ~np.isnan(col) & (col != -math.inf)   # -inf: not applicable; +inf (undefined) ranks highest
         bad, good = col[ok & unsafe], col[ok & ~unsafe]
         auc = None
         if len(bad) and len(good):
-            u = mannwhitneyu(np.nan_to_num(bad, posinf=np.finfo(np.float64).max),
-                             np.nan_to_num(good, posinf=np.finfo(np.float64).max), alternative="two-sided").statistic
-            auc = float(u) / (len(bad) * len(good))
+            auc = float(mannwhitneyu(bad, good, alternative="two-sided").statistic) / (len(bad) * len(good))
         out[k] = {"auc": auc, "unacceptable": int(len(bad)), "acceptable": int(len(good))}
     return out
 
