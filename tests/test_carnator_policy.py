@@ -102,6 +102,35 @@ def test_threshold_file_of_another_model_is_refused(tmp_path):
         Thresholds.load(path, model_id="embedded-0000")
 
 
+def test_threshold_file_read_another_way_is_refused(tmp_path):
+    """A file records the reading it was calibrated under; a policy that reads signatures otherwise refuses an explicit
+    file, and falls back to the paper's thresholds (with a warning) when the shipped one does not fit."""
+    from carnator.policies.carnator import CarnatorPolicy
+
+    eng = make_engine(tmp_path, None)
+    path = tmp_path / "tau1.json"
+    calibrated = CarnatorPolicy(modifiers=1)
+    tau = Thresholds(context=1.0, size=0.5, shape=0.4, color=5.0, text=0.2)
+    tau.save(path, model_id=eng.model_identity, reading=calibrated.reading())
+    assert CarnatorPolicy(modifiers=1, thresholds=str(path)).thresholds(eng) == tau
+    with pytest.raises(CarnatorError, match="modifiers: file 1, policy 0"):
+        CarnatorPolicy(modifiers=0, thresholds=str(path)).thresholds(eng)
+    with pytest.raises(CarnatorError, match="region"):
+        CarnatorPolicy(modifiers=1, region={"high": 0.5}, thresholds=str(path)).thresholds(eng)
+
+
+def test_policy_option_flags_are_checked():
+    from carnator.cli import _policy_options
+
+    assert _policy_options(["carnator.modifiers=1", "carnator.region={\"high\": 0.4}", "carnator.thresholds=/tmp/t.json"]) == {
+        "carnator": {"modifiers": 1, "region": {"high": 0.4}, "thresholds": "/tmp/t.json"}}
+    for bad, msg in (("carnator.modifiers", "POLICY.FIELD=VALUE"), ("modifiers=1", "POLICY.FIELD=VALUE"),
+                     ("nope.modifiers=1", "unknown policy 'nope'"), ("carnator.modifier=1", "its fields: top_k"),
+                     ("carnator.modifiers=-1", "must be >= 0")):
+        with pytest.raises(CarnatorError, match=msg):
+            _policy_options([bad])
+
+
 def test_unknown_policy_is_a_clear_error(tmp_path):
     eng = make_engine(tmp_path, None)
     with pytest.raises(CarnatorError, match="unknown policy"):

@@ -175,6 +175,18 @@ def test_thresholds_save_load(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(CarnatorError, match="does not exist"):
         Thresholds.load(tmp_path / "nope.json", model_id="x")
+    # The reading: a file without one (from before it was recorded) is not checked; with one, every field must match.
+    doc["format_version"] = 1
+    p.write_text(json.dumps(doc))
+    assert Thresholds.load(p, model_id="wan2.1-1.3b", reading={"modifiers": 1}) == tau
+    doc["reading"] = {"modifiers": 1, "region": {"high": 0.3}}
+    p.write_text(json.dumps(doc))
+    assert Thresholds.load(p, model_id="wan2.1-1.3b", reading={"modifiers": 1, "region": {"high": 0.3}, "extra": 2}) == tau
+    assert Thresholds.load(p, model_id="wan2.1-1.3b") == tau  # the caller did not say how it reads
+    with pytest.raises(CarnatorError, match="modifiers: file 1, policy 0"):
+        Thresholds.load(p, model_id="wan2.1-1.3b", reading={"modifiers": 0, "region": {"high": 0.3}})
+    tau.save(p, model_id="m", reading={"region": {"window": (0.2, 0.8)}})  # tuples are stored and compared as JSON lists
+    assert Thresholds.load(p, model_id="m", reading={"region": {"window": (0.2, 0.8)}}) == tau
     p.write_text("{not json")
     with pytest.raises(CarnatorError, match="unreadable"):
         Thresholds.load(p, model_id="x")

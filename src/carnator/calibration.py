@@ -175,7 +175,10 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     log_path = out_dir / "pairs.jsonl"
     if pairs_from not in ("stream", "edits"):
         raise CarnatorError(f"pairs_from must be 'stream' or 'edits', not {pairs_from!r}")
-    source = {"pairs_from": pairs_from, **({"warm": warm, "top_k": base.top_k} if pairs_from == "stream" else {})}
+    reading = engine.policy("carnator").reading()
+    # The reading is part of what a pair's discrepancies mean: a resumed run must read signatures as the first did.
+    source = {"pairs_from": pairs_from, **({"warm": warm, "top_k": base.top_k} if pairs_from == "stream" else {}),
+              "reading": json.loads(json.dumps(reading))}
     meta_path = out_dir / "pairs.meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()) != source:
         raise CarnatorError(f"{out_dir} holds pairs drawn as {json.loads(meta_path.read_text())}, not {source}; use another --out")
@@ -223,7 +226,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     cal_pairs = [calibration_pair(r) for r in rows]
     res = calibrate(cal_pairs, cfg)
     tau_path = out_dir / "thresholds.json"
-    res.thresholds.save(tau_path, model_id=engine.model_identity, meta={**res.to_dict(), "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text})
+    res.thresholds.save(tau_path, model_id=engine.model_identity, reading=reading, meta={**res.to_dict(), "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text})
     summary = {"pairs": len(pairs), **source, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
                "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,
                "separation": separation(cal_pairs), "result": res.to_dict(), "thresholds_file": str(tau_path)}

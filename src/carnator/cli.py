@@ -20,6 +20,41 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="embedded", help='"embedded" (default) or a local diffusers pipeline directory')
     p.add_argument("--cache-dir", default=None, help="cache directory (default: $CARNATOR_CACHE_DIR or ~/.cache/carnator)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--option", action="append", default=[], metavar="POLICY.FIELD=VALUE",
+                   help="set one field of a policy's config, e.g. carnator.modifiers=1 or carnator.region='{\"high\": 0.4}' "
+                        "(VALUE is JSON, else a string; repeatable; fields: docs/METHOD.md)")
+
+
+def _policy_options(items: list[str]) -> dict[str, dict]:
+    """``--option POLICY.FIELD=VALUE`` items as ``EngineConfig.policy_options``, each policy's config checked now."""
+    import dataclasses
+
+    from .policies import get_policy_class, policy_names
+
+    out: dict[str, dict] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        name, dot, fld = key.strip().partition(".")
+        if not sep or not dot or not name or not fld:
+            raise CarnatorError(f"--option {item!r}: expected POLICY.FIELD=VALUE, e.g. carnator.modifiers=1")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.setdefault(name, {})[fld] = value
+    for name, opts in out.items():
+        klass = get_policy_class(name)
+        if klass is None:
+            raise CarnatorError(f"--option: unknown policy {name!r}; available: {', '.join(policy_names())}")
+        try:
+            klass(**opts)
+        except TypeError as e:
+            cfg = getattr(klass(), "cfg", None)
+            fields = ", ".join(f.name for f in dataclasses.fields(cfg)) if dataclasses.is_dataclass(cfg) else "none"
+            raise CarnatorError(f"--option: {name} does not take {', '.join(sorted(opts))} ({e}); its fields: {fields}") from None
+        except ValueError as e:
+            raise CarnatorError(f"--option: {e}") from None
+    return out
 
 
 def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
@@ -48,7 +83,7 @@ def _engine(args):
 
         IntraCacheSpec.parse(intra)  # a bad kind or option fails before the model loads
     config = EngineConfig(intra_cache=intra, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
-                          cuda_graphs=getattr(args, "cuda_graphs", False))
+                          cuda_graphs=getattr(args, "cuda_graphs", False), policy_options=_policy_options(getattr(args, "option", [])))
     return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device, config=config)
 
 
@@ -436,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
     k.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="generate the pairs in N worker processes (set OMP_NUM_THREADS so that N x threads fits the cores)")
+    k.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
     k.set_defaults(shard=None)  # set by _worker only
     k.set_defaults(func=cmd_calibrate)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 from ..attention.blockmask import BlockMaskSet
 from ..attention.controller import SparseConfig, WindowPlan
 from ..denoise import StepHooks
+from ..errors import CarnatorError
 from ..reuse import CompatConfig, ScopeConfig, Thresholds, compatible, discrepancies, noun_diff, reuse_scope
 from ..signature import EarlySignature, RegionConfig, early_signature, evidence_region, select_seeds
 from ..signature.nouns import extract_nouns
@@ -94,14 +95,25 @@ class CarnatorPolicy(Policy):
         self._loader: ThreadPoolExecutor | None = None
 
     # ---- thresholds -----------------------------------------------------------------------------
+    def reading(self) -> dict:
+        """The settings that shape this policy's signatures and so the discrepancies its thresholds apply to; a
+        thresholds file records them (``Thresholds.save(reading=...)``) and loads only for a policy that reads alike."""
+        c = self.cfg
+        return {"probe_steps": c.probe_steps, "probe_layer": c.probe_layer, "modifiers": c.modifiers, "region": asdict(c.region)}
+
     def thresholds(self, engine) -> Thresholds:
         if self._tau is None:
             path = self.cfg.thresholds
-            if path is None:
-                shipped = Path(__file__).resolve().parent.parent / "embedded" / "thresholds.json"
-                if engine.adapter.family == "embedded" and shipped.exists():
-                    path = str(shipped)
-            self._tau = Thresholds.load(path, model_id=engine.model_identity) if path else Thresholds()
+            if path is not None:
+                self._tau = Thresholds.load(path, model_id=engine.model_identity, reading=self.reading())
+                return self._tau
+            shipped = Path(__file__).resolve().parent.parent / "embedded" / "thresholds.json"
+            self._tau = Thresholds()
+            if engine.adapter.family == "embedded" and shipped.exists():
+                try:
+                    self._tau = Thresholds.load(shipped, model_id=engine.model_identity, reading=self.reading())
+                except CarnatorError as e:  # the shipped file does not fit this configuration: the paper's values
+                    log.warning("%s; using the paper's thresholds", e)
         return self._tau
 
     # ---- the stages -------------------------------------------------------------------------------

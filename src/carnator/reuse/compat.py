@@ -265,7 +265,8 @@ class Thresholds:
     def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
         return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in DIMENSIONS})
 
-    def save(self, path: str | os.PathLike[str], *, model_id: str, meta: Mapping[str, Any] | None = None) -> None:
+    def save(self, path: str | os.PathLike[str], *, model_id: str, meta: Mapping[str, Any] | None = None,
+             reading: Mapping[str, Any] | None = None) -> None:
         """Write the thresholds as JSON, recording the model identity and the carnator version.
 
         Args:
@@ -273,6 +274,9 @@ class Thresholds:
             model_id: identity of the model the thresholds were calibrated for (e.g. the pipeline's
                 ``name_or_path`` or a weights hash); :meth:`load` refuses files for another model.
             meta: optional JSON-able extras (calibration summary, delta, alpha, ...).
+            reading: the settings that shape the discrepancies the thresholds apply to (the policy's
+                :meth:`~carnator.policies.carnator.CarnatorPolicy.reading`: probe layer, modifiers, region
+                knobs); :meth:`load` refuses the file for a policy that reads signatures differently.
         """
         doc = {
             "format": _THRESHOLDS_FORMAT,
@@ -282,6 +286,8 @@ class Thresholds:
             "thresholds": self.to_dict(),
             "meta": dict(meta or {}),
         }
+        if reading is not None:
+            doc["reading"] = json.loads(json.dumps(dict(reading)))  # JSON-normal (tuples -> lists), as load compares it
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")  # per process: concurrent writers never share a temporary
@@ -289,12 +295,15 @@ class Thresholds:
         os.replace(tmp, p)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, model_id: str) -> Thresholds:
+    def load(cls, path: str | os.PathLike[str], *, model_id: str, reading: Mapping[str, Any] | None = None) -> Thresholds:
         """Read thresholds written by :meth:`save`.
+
+        ``reading``: the caller's signature-reading settings; when both it and the file give them, every setting
+        the file records must be equal (a file without them, from before they were recorded, is not checked).
 
         Raises:
             CarnatorError: the file is missing or unreadable, is not a thresholds file, has another
-                format version, or was calibrated for a different ``model_id``.
+                format version, was calibrated for a different ``model_id``, or under another reading.
         """
         p = Path(path)
         try:
@@ -315,6 +324,16 @@ class Thresholds:
                 f"thresholds file {p} was calibrated for model {doc.get('model_id')!r}, not {str(model_id)!r}: "
                 "recalibrate for this model"
             )
+        theirs = doc.get("reading")
+        if reading is not None and isinstance(theirs, dict):
+            ours = json.loads(json.dumps(dict(reading)))
+            differ = sorted(k for k in theirs if ours.get(k) != theirs[k])
+            if differ:
+                detail = ", ".join(f"{k}: file {theirs[k]!r}, policy {ours.get(k)!r}" for k in differ)
+                raise CarnatorError(
+                    f"thresholds file {p} was calibrated for signatures read another way ({detail}): "
+                    "recalibrate, or configure the policy as the file says"
+                )
         try:
             return cls.from_dict(doc["thresholds"])
         except (KeyError, TypeError, ValueError) as e:
