@@ -52,11 +52,23 @@ def test_hit_resumes_and_keeps_cached_latent_outside_active(tmp_path):
     # Outside the Active region the blend weight is 0: the final latent is the source's, exactly.
     final_b = eng.bank.load(s.entry_id)["final"]
     final_a = entry["final"]
-    from carnator.signature import EarlySignature  # noqa: F401  (signature stored and readable)
-
     same = (final_b == final_a).all(dim=1)[0]  # (T, H, W) latent positions identical in every channel
     assert same.float().mean() >= 1 - s.active_fraction - 1e-6
     assert not same.all()
+
+    # The request's signature is in its stats, equal to the one stored with its entry; with the source entry's it gives
+    # back the discrepancies the decision saw (what calibration rows rely on to re-evaluate them offline).
+    from carnator.reuse import discrepancies, noun_diff
+    from carnator.signature import EarlySignature
+
+    assert a.stats.notes["signature"] == eng.bank.get(a.stats.entry_id).extra["signature"]
+    assert s.notes["signature"] == eng.bank.get(s.entry_id).extra["signature"]
+    sig_b, sig_a = EarlySignature.from_dict(s.notes["signature"]), EarlySignature.from_dict(a.stats.notes["signature"])
+    assert set(sig_b) == {"box", "grass"}
+    d = discrepancies(sig_b, sig_a, noun_diff(["box", "grass"], ["ball", "grass"]))
+    got = s.notes["discrepancies"]
+    for k in ("context", "size", "shape", "color"):
+        assert getattr(d, k) == pytest.approx(got[k])
 
 
 @pytest.mark.parametrize("dilation, high, windowed", [(0, 0.9, True), (8, 0.1, False)])

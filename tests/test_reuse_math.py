@@ -463,7 +463,8 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
         calls.append((int(tenant[5:]), policy))
         notes = {"discrepancies": {"context": 1.0, "size": 0.1, "shape": 0.1, "color": 1.0, "text": 0.05}} if policy == "carnator-forced" else {}
         return SimpleNamespace(frames=np.zeros((1, 1, 1, 3), np.uint8), stats=SimpleNamespace(
-            hit=policy == "carnator-forced", notes=notes, timings={}, resume_step=20, active_fraction=0.5, mask_density=1.0))
+            hit=policy == "carnator-forced", notes=notes, timings={}, resume_step=20, active_fraction=0.5, mask_density=1.0,
+            source_id=None))
 
     monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge",
                         lambda frames, text: SimpleNamespace(fidelity=1.0, artifact=0.0))

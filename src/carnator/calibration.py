@@ -175,7 +175,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     log_path = out_dir / "pairs.jsonl"
     if pairs_from not in ("stream", "edits"):
         raise CarnatorError(f"pairs_from must be 'stream' or 'edits', not {pairs_from!r}")
-    reading = engine.policy("carnator").reading()
+    reading = CarnatorPolicy(base).reading()
     # The reading is part of what a pair's discrepancies mean: a resumed run must read signatures as the first did.
     source = {"pairs_from": pairs_from, **({"warm": warm, "top_k": base.top_k} if pairs_from == "stream" else {}),
               "reading": json.loads(json.dumps(reading))}
@@ -209,6 +209,10 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
                    # the plan's parameters (bench-scale replays these at real sizes)
                    "resume_step": reuse.stats.resume_step, "active_fraction": reuse.stats.active_fraction,
                    "mask_density": reuse.stats.mask_density}
+            # Both Early Signatures, so that other discrepancy definitions can be evaluated on these rows offline.
+            src_meta = engine.bank.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
+            row["signatures"] = {"query": reuse.stats.notes.get("signature"),
+                                 "source": None if src_meta is None else src_meta.extra.get("signature")}
             row["acceptable"] = rule.label(row)
             log.write(json.dumps(row) + "\n")
             log.flush()

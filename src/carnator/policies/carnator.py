@@ -206,7 +206,9 @@ class CarnatorPolicy(Policy):
         t0 = time.perf_counter()
         won = self.decide(ctx, sig, candidates) if candidates else None
         tm["decision"] = time.perf_counter() - t0
-        miss = Plan(hit=False, entry_extra=extra, entry_tensors=ev_tensors, notes={"candidates": len(candidates)})
+        # The request's own signature goes into its stats too: why it hit or missed can be read, and calibration
+        # rows keep it, so that another discrepancy definition can be evaluated without generating again.
+        miss = Plan(hit=False, entry_extra=extra, entry_tensors=ev_tensors, notes={"candidates": len(candidates), "signature": extra["signature"]})
         if won is None:
             return miss
 
@@ -217,6 +219,7 @@ class CarnatorPolicy(Policy):
             return miss
         plan.entry_extra, plan.entry_tensors = extra, ev_tensors
         plan.notes["candidates"] = len(candidates)
+        plan.notes["signature"] = extra["signature"]
         return plan
 
     def _prefetch(self, ctx, entry_id: str) -> tuple[str, Future]:
