@@ -121,7 +121,9 @@ def test_bad_request(capsys, model_dir, tmp_path, cache, args, words):
 
 
 @pytest.mark.parametrize("args, words", [(["--pairs", "2"], ["--pairs", "at least 4"]), (["--jobs", "0"], ["--jobs"]),
-                                         (["--model", "x"], ["judge", "--model embedded"])], ids=["pairs", "jobs", "model"])
+                                         (["--model", "x"], ["judge", "--model embedded"]),
+                                         (["--option", "carnator.nope=1"], ["--option", "its fields"])],
+                         ids=["pairs", "jobs", "model", "option"])
 def test_bad_calibrate_args(capsys, tmp_path, args, words):
     code, out, err = run(capsys, "calibrate", *args, "--out", tmp_path / "cal", "--cache-dir", tmp_path / "cache")
     assert_user_error(code, err, *words)

@@ -599,3 +599,84 @@ def test_bound_selection_skips_the_loose_point_a_small_split_favours():
     assert (tau.text, acc, uns) == (0.3, 70, 1)
     tau, acc, uns = select_thresholds(good + loose, 0.05, confidence=0.9)
     assert (tau.text, acc, uns) == (0.1, 50, 0)
+
+
+# ---- the linear risk rule (CalibrationConfig.rule = "linear") ------------------------------------------------------
+
+
+def test_risk_features_hand_computed():
+    from carnator.reuse import RiskScore, risk_features
+
+    x = risk_features(Discrepancies(context=1.0, size=None, shape=None, color=None, text=0.5))
+    np.testing.assert_allclose(x, [math.log(2), math.log(51), math.log(51), math.log(51), math.log(1.5), 1.0])
+    x = risk_features(Discrepancies(context=math.inf, size=0.0, shape=1.0, color=3.0, text=None))
+    np.testing.assert_allclose(x, [math.log(1001), 0.0, math.log(2), math.log(4), math.log(2), 0.0])
+    # risk = sigmoid(w . x + b): weight 1 on context alone, bias -log(2): context 1 -> sigmoid(0) = 0.5
+    r = RiskScore(weights=(1, 0, 0, 0, 0, 0), bias=-math.log(2), threshold=0.5)
+    assert r.risk(Discrepancies(context=1.0)) == pytest.approx(0.5)
+    assert r.accepts(Discrepancies(context=1.0)) and not r.accepts(Discrepancies(context=1.01))
+    assert r.risk(Discrepancies(context=3.0)) == pytest.approx(1 / (1 + 0.5))   # exp(log 4 - log 2) = 2 -> 2/3
+    assert not r.accepts(Discrepancies(context=math.nan))
+    with pytest.raises(ValueError):
+        RiskScore(weights=(1, 0), bias=0.0, threshold=0.5)
+
+
+def test_fit_logistic_is_the_penalized_optimum():
+    """The gradient of the penalized log-loss vanishes at the fit (hand-derived), and scikit-learn's solver, where
+    installed, finds the same weights."""
+    from scipy.special import expit
+
+    from carnator.reuse import fit_logistic
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(200, 3))
+    y = rng.random(200) < expit(X @ np.array([1.5, -2.0, 0.0]) + 0.3)
+    w, b = fit_logistic(X, y, l2=1.0)
+    p = expit(X @ w + b)
+    np.testing.assert_allclose(w + X.T @ (p - y), 0, atol=1e-6)    # d/dw: l2 w + sum (p - y) x
+    assert abs((p - y).sum()) < 1e-6                                  # d/db: sum (p - y)
+    assert w[0] > 1 and w[1] < -1
+    sk = pytest.importorskip("sklearn.linear_model")
+    m = sk.LogisticRegression(C=1.0, tol=1e-12, max_iter=10_000).fit(X, y)
+    np.testing.assert_allclose(w, m.coef_[0], atol=1e-4)
+    assert b == pytest.approx(m.intercept_[0], abs=1e-4)
+
+
+def test_linear_rule_selects_the_loosest_feasible_score_and_certifies():
+    """Context alone decides safety: context <= 2 safe, above unsafe. The fitted score is increasing in context, so
+    the loosest feasible threshold at delta 0 accepts exactly the safe pairs; certification counts them and the bound
+    is the Clopper-Pearson one (scipy), with the per-dimension thresholds off."""
+    from carnator.reuse import select_risk
+
+    ctx = np.linspace(0, 5, 60)
+    pairs = [CalibrationPair(Discrepancies(context=float(c), text=0.1), acceptable=bool(c <= 2.0)) for c in ctx]
+    tau, acc, uns = select_risk(pairs, delta=0.0)
+    assert (acc, uns) == (int((ctx <= 2.0).sum()), 0)
+    assert all(math.isinf(getattr(tau, k)) for k in ("context", "size", "shape", "color", "text"))
+    assert tau.risk.weights[0] > 0
+    assert compatible(Discrepancies(context=1.0, text=0.1), tau) and not compatible(Discrepancies(context=3.0, text=0.1), tau)
+    # delta 10 %: one unsafe pair in every ten accepted is allowed, so it goes further
+    _, acc10, uns10 = select_risk(pairs, delta=0.1)
+    assert acc10 > acc and uns10 <= 0.1 * acc10
+    res = calibrate(pairs, CalibrationConfig(rule="linear", delta=0.05, n_selection=30, split_seed=1))
+    a, u = evaluate([pairs[i] for i in res.certification_indices], res.thresholds)
+    assert (res.certification_accepted, res.certification_unsafe) == (a, u)
+    assert res.certification_bound == pytest.approx(beta.ppf(0.9, u + 1, a - u))
+    with pytest.raises(ValueError, match="rule"):
+        CalibrationConfig(rule="tree")
+
+
+def test_thresholds_with_a_risk_score_round_trip(tmp_path):
+    from carnator.reuse import RiskScore
+
+    tau = Thresholds(context=math.inf, size=math.inf, shape=math.inf, color=math.inf,
+                     risk=RiskScore(weights=(0.1, 1.0, -0.8, 0.2, 5.9, -1.8), bias=-2.3, threshold=0.21))
+    p = tmp_path / "tau.json"
+    tau.save(p, model_id="m")
+    assert Thresholds.load(p, model_id="m") == tau
+    doc = json.loads(p.read_text())
+    assert doc["thresholds"]["risk"]["features"] == ["context", "size", "shape", "color", "text", "no_substitution"]
+    doc["thresholds"]["risk"]["features"] = ["context"]
+    p.write_text(json.dumps(doc))
+    with pytest.raises(CarnatorError, match="invalid thresholds"):
+        Thresholds.load(p, model_id="m")

@@ -230,9 +230,10 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     cal_pairs = [calibration_pair(r) for r in rows]
     res = calibrate(cal_pairs, cfg)
     tau_path = out_dir / "thresholds.json"
-    res.thresholds.save(tau_path, model_id=engine.model_identity, reading=reading, meta={**res.to_dict(), "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text})
+    res.thresholds.save(tau_path, model_id=engine.model_identity, reading=reading, meta={**res.to_dict(), "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,
+                                 "decision_rule": cfg.rule})
     summary = {"pairs": len(pairs), **source, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
                "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,
-               "separation": separation(cal_pairs), "result": res.to_dict(), "thresholds_file": str(tau_path)}
+               "decision_rule": cfg.rule, "separation": separation(cal_pairs), "result": res.to_dict(), "thresholds_file": str(tau_path)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

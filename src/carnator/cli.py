@@ -177,7 +177,8 @@ def cmd_calibrate(args) -> int:
     eng = _engine(args)
     summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=_quality_rule(args),
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold,
-                                                    selection_confidence=args.selection_confidence), resume_step=args.resume_step,
+                                                    selection_confidence=args.selection_confidence, rule=args.rule),
+                              resume_step=args.resume_step,
                               shard=args.shard, pairs_from=args.pairs_from, warm=args.warm)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
@@ -464,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",
                    help="thresholds are feasible in selection when the Clopper-Pearson bound at C of their unsafe share is "
                         "<= --delta; 'point' (default): when the share itself is (the paper)")
+    k.add_argument("--rule", choices=["box", "linear"], default="box",
+                   help="box: one threshold per discrepancy (the paper); linear: a logistic risk score over all of them, fitted "
+                        "on the selection split, with one threshold (default %(default)s; docs/METHOD.md)")
     k.add_argument("--no-text-threshold", dest="text_threshold", action="store_false",
                    help="calibrate the paper's four signature thresholds only, leaving the recall-similarity one off")
     _add_rule_args(k, "quality rule: a reuse is acceptable iff its judge fidelity >= dense's - this (default %(default)s) ...",

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import beta
 
-from .compat import DIMENSIONS, Discrepancies, Thresholds
+from .compat import DIMENSIONS, Discrepancies, RiskScore, Thresholds, risk_features
 
 __all__ = [
     "CalibrationConfig",
@@ -36,6 +36,8 @@ __all__ = [
     "calibrate",
     "clopper_pearson_upper",
     "evaluate",
+    "fit_logistic",
+    "select_risk",
     "select_thresholds",
     "separation",
     "split_pairs",
@@ -83,7 +85,21 @@ class CalibrationConfig:
     on 11 of 20 (docs/RESULTS.md, session 8); but a bound needs a selection split of >= 45 accepted pairs to
     accept anything at delta 5 %, so it is no default for the paper's 30 selection pairs."""
 
+    rule: str = "box"
+    """The decision rule selected: "box" (the paper: one threshold per discrepancy) or "linear" (beyond it: a
+    logistic risk score over all discrepancies, :class:`~carnator.reuse.compat.RiskScore`, fitted on the selection
+    split, and one threshold on it). On the embedded world's 1,081 stream pairs the linear rule accepted fewer
+    unsafe pairs on every delta and selection rule tried, and certified more often, but not at 5 %
+    (docs/RESULTS.md, session 11). Chosen default: the paper's."""
+    l2: float = 1.0
+    """L2 penalty on the risk score's weights (``rule="linear"``): the fit minimizes
+    ``l2 / 2 * |w|^2 + sum of log-losses``, scikit-learn's ``LogisticRegression(C=1 / l2)``. Chosen default: 1."""
+
     def __post_init__(self) -> None:
+        if self.rule not in ("box", "linear"):
+            raise ValueError(f"CalibrationConfig: rule must be 'box' or 'linear', got {self.rule!r}")
+        if not self.l2 > 0.0:
+            raise ValueError(f"CalibrationConfig: l2 must be > 0, got {self.l2}")
         if not 0.0 <= self.delta < 1.0:
             raise ValueError(f"CalibrationConfig: delta must lie in [0, 1), got {self.delta}")
         if not 0.0 < self.confidence < 1.0:
@@ -185,6 +201,8 @@ def evaluate(pairs: Sequence[CalibrationPair], tau: Thresholds) -> tuple[int, in
     vals, unsafe = _matrix(pairs)
     t = np.array([getattr(tau, k) for k in DIMENSIONS])
     acc = np.all(vals <= t[None, :], axis=1)  # NaN compares False: rejected
+    if tau.risk is not None:
+        acc &= np.array([tau.risk.accepts(p.d) for p in pairs], dtype=bool)
     return int(acc.sum()), int((acc & unsafe).sum())
 
 
@@ -314,6 +332,71 @@ def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candid
     return tau, acc_n, uns_n
 
 
+def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0) -> tuple[np.ndarray, float]:
+    """L2-penalized logistic regression: ``(w, b)`` minimizing ``l2 / 2 * |w|^2 + sum_i log(1 + exp(-s_i (w . x_i + b)))``
+    with ``s_i = +1`` for ``y_i`` true, else -1 (the bias is not penalized), as scikit-learn's
+    ``LogisticRegression(C=1 / l2)`` defines it. Newton's method with backtracking, to a gradient below 1e-9: the
+    objective is strictly convex in ``w``, so the solution is unique (``y`` must hold both classes)."""
+    from scipy.special import expit, log_expit
+
+    X = np.asarray(X, dtype=np.float64)
+    y = np.asarray(y, dtype=bool)
+    if X.ndim != 2 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
+        raise ValueError(f"fit_logistic needs X (n, d) and y (n,) with n >= 1, got {X.shape} and {y.shape}")
+    if y.all() or not y.any():
+        raise ValueError("fit_logistic needs both classes in y")
+    A = np.hstack([X, np.ones((X.shape[0], 1))])
+    s = np.where(y, 1.0, -1.0)
+    reg = np.full(A.shape[1], float(l2))
+    reg[-1] = 0.0
+
+    def f(t):
+        return 0.5 * (reg * t) @ t - log_expit(s * (A @ t)).sum()
+
+    t = np.zeros(A.shape[1])
+    for _ in range(200):
+        p = expit(A @ t)
+        g = reg * t + A.T @ (p - y)
+        if np.max(np.abs(g)) < 1e-9:
+            break
+        H = (A * (p * (1 - p))[:, None]).T @ A + np.diag(reg)
+        step = np.linalg.solve(H + 1e-12 * np.eye(len(t)), g)
+        fx, a = f(t), 1.0
+        while f(t - a * step) > fx - 1e-4 * a * (g @ step) and a > 1e-10:
+            a *= 0.5
+        t = t - a * step
+    return t[:-1].copy(), float(t[-1])
+
+
+def select_risk(pairs: Sequence[CalibrationPair], delta: float, confidence: float | None = None,
+                l2: float = 1.0) -> tuple[Thresholds, int, int]:
+    """The ``rule="linear"`` selection: fit a :class:`~carnator.reuse.compat.RiskScore` on ``pairs`` (unacceptable =
+    1), then take the loosest threshold on its score whose accepted pairs have an unsafe share ``<= delta``
+    (``confidence``: its Clopper-Pearson bound, as :func:`select_thresholds`); ties go to fewer unsafe pairs, then the
+    tighter threshold. Returns ``(tau, accepted, unsafe)`` with every per-dimension threshold off; accepting nothing
+    (a threshold below every score) is always feasible."""
+    if not pairs:
+        raise ValueError("select_risk needs at least one pair")
+    X = np.stack([risk_features(p.d) for p in pairs])
+    unsafe = np.array([not bool(p.acceptable) for p in pairs], dtype=bool)
+    ok = np.all(np.isfinite(X), axis=1)
+    if unsafe[ok].all() or not unsafe[ok].any():   # one class only: no rule to learn; a flat score
+        w, b = np.zeros(X.shape[1]), 0.0
+    else:
+        w, b = fit_logistic(X[ok], unsafe[ok], l2)
+    off = dict.fromkeys(DIMENSIONS, math.inf)
+    base = RiskScore(tuple(w), b, -1.0)
+    scores = np.array([base.risk(p.d) for p in pairs])   # NaN for NaN inputs: never accepted
+    allowed = allowed_unsafe(len(pairs), delta, confidence)
+    best = (0, 0, -1.0)   # accepted, unsafe, threshold: nothing accepted
+    for t in np.unique(scores[np.isfinite(scores)]):
+        acc = scores <= t
+        a, u = int(acc.sum()), int((acc & unsafe).sum())
+        if u <= allowed[a] and (a, -u) > (best[0], -best[1]):
+            best = (a, u, float(t))
+    return Thresholds(**off, risk=RiskScore(tuple(w), b, best[2])), best[0], best[1]
+
+
 def calibrate(pairs: Sequence[CalibrationPair], cfg: CalibrationConfig = CalibrationConfig()) -> CalibrationResult:
     """Split, select ``tau`` on the selection split, certify it on the certification split."""
     if not cfg.text:  # the paper's four dimensions: text not applicable in the search, off in the result
@@ -321,7 +404,10 @@ def calibrate(pairs: Sequence[CalibrationPair], cfg: CalibrationConfig = Calibra
     sel_idx, cert_idx = split_pairs(len(pairs), cfg)
     sel = [pairs[i] for i in sel_idx]
     cert = [pairs[i] for i in cert_idx]
-    tau, s_acc, s_uns = select_thresholds(sel, cfg.delta, cfg.max_candidates, cfg.selection_confidence)
+    if cfg.rule == "linear":
+        tau, s_acc, s_uns = select_risk(sel, cfg.delta, cfg.selection_confidence, cfg.l2)
+    else:
+        tau, s_acc, s_uns = select_thresholds(sel, cfg.delta, cfg.max_candidates, cfg.selection_confidence)
     if not cfg.text:
         tau = replace(tau, text=math.inf)
     c_acc, c_uns = evaluate(cert, tau)

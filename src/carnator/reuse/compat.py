@@ -235,6 +235,74 @@ def _carnator_version() -> str:
     return str(getattr(carnator, "__version__", "unknown"))
 
 
+RISK_FEATURES = ("context", "size", "shape", "color", "text", "no_substitution")
+"""The inputs of :class:`RiskScore`: ``log(1 + d)`` of each discrepancy, and 1 when no noun was substituted."""
+_NOT_APPLICABLE = 50.0   # size / shape / colour of a pair without a substituted noun (the flag tells the two apart)
+_UNDEFINED = 1000.0      # inf: a missing noun or an empty region
+_TEXT_UNMEASURED = 1.0   # d_text when the recall similarity is unknown: as far as an unrelated prompt
+
+
+def risk_features(d: Discrepancies) -> np.ndarray:
+    """``(len(RISK_FEATURES),)`` float64 inputs of a :class:`RiskScore` for one pair's discrepancies.
+
+    Each discrepancy ``v`` enters as ``log(1 + v)``; ``inf`` as ``log(1 + 1000)``; a not-applicable size, shape or
+    colour (no substituted noun) as ``log(1 + 50)``, with the last feature 1; an unmeasured ``text`` as
+    ``log(1 + 1)``. NaN stays NaN (and the score then rejects).
+    """
+    def conv(v: float | None, none: float) -> float:
+        if v is None:
+            return none
+        v = float(v)
+        return _UNDEFINED if v == math.inf else max(v, 0.0) if not math.isnan(v) else math.nan
+
+    x = [conv(d.context, 0.0), conv(d.size, _NOT_APPLICABLE), conv(d.shape, _NOT_APPLICABLE), conv(d.color, _NOT_APPLICABLE),
+         conv(d.text, _TEXT_UNMEASURED)]
+    return np.array([*np.log1p(x), 1.0 if d.size is None else 0.0], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class RiskScore:
+    """A learned decision rule, beyond the paper: a pair is compatible when its estimated risk
+    ``sigmoid(weights . risk_features(d) + bias)`` is ``<= threshold``.
+
+    The paper's rule is a box, one threshold per discrepancy. On the embedded world the discrepancies are weak
+    alone (AUC 0.62-0.77) and a logistic regression on all of them separates better (cross-validated AUC 0.80;
+    docs/RESULTS.md, session 11). ``carnator calibrate --rule linear`` fits the weights on the selection split and
+    selects and certifies ``threshold`` as the box's thresholds are (:func:`carnator.reuse.calibrate.calibrate`).
+    """
+
+    weights: tuple[float, ...]
+    bias: float
+    threshold: float
+
+    def __post_init__(self) -> None:
+        w = tuple(float(v) for v in self.weights)
+        if len(w) != len(RISK_FEATURES) or not all(math.isfinite(v) for v in w) or not math.isfinite(float(self.bias)):
+            raise ValueError(f"RiskScore needs {len(RISK_FEATURES)} finite weights and a finite bias")
+        if math.isnan(float(self.threshold)):
+            raise ValueError("RiskScore threshold must not be NaN")
+        object.__setattr__(self, "weights", w)
+        object.__setattr__(self, "bias", float(self.bias))
+        object.__setattr__(self, "threshold", float(self.threshold))
+
+    def risk(self, d: Discrepancies) -> float:
+        """The estimated probability that reusing for this pair is unacceptable (NaN for NaN inputs)."""
+        z = float(np.dot(self.weights, risk_features(d))) + self.bias
+        return float(1.0 / (1.0 + math.exp(-z))) if z >= 0 else float(math.exp(z) / (1.0 + math.exp(z)))
+
+    def accepts(self, d: Discrepancies) -> bool:
+        return bool(self.risk(d) <= self.threshold)  # NaN compares False: rejected
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"features": list(RISK_FEATURES), "weights": list(self.weights), "bias": self.bias, "threshold": self.threshold}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RiskScore:
+        if list(d.get("features", RISK_FEATURES)) != list(RISK_FEATURES):
+            raise ValueError(f"risk score features {d.get('features')} are not this version's {list(RISK_FEATURES)}")
+        return cls(weights=tuple(d["weights"]), bias=float(d["bias"]), threshold=float(d["threshold"]))
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Thresholds ``tau`` of the compatibility test; ``inf`` switches a dimension off.
@@ -250,20 +318,28 @@ class Thresholds:
     shape: float = 1.00
     color: float = 7.58
     text: float = math.inf
+    risk: RiskScore | None = None
+    """A learned decision rule applied on top of the per-dimension thresholds (None: the paper's box alone)."""
 
     def __post_init__(self) -> None:
+        if self.risk is not None and not isinstance(self.risk, RiskScore):
+            raise ValueError(f"Thresholds.risk must be a RiskScore or None, got {type(self.risk).__name__}")
         for k in DIMENSIONS:
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or math.isnan(v) or v == -math.inf:
                 raise ValueError(f"threshold {k} must be a finite number or +inf (off), got {v!r}")
 
-    def to_dict(self) -> dict[str, float | None]:
-        """JSON-able dict; a switched-off (``inf``) threshold is written as ``null``."""
-        return {k: (None if math.isinf(getattr(self, k)) else float(getattr(self, k))) for k in DIMENSIONS}
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict; a switched-off (``inf``) threshold is written as ``null``; ``risk`` only when set."""
+        out: dict[str, Any] = {k: (None if math.isinf(getattr(self, k)) else float(getattr(self, k))) for k in DIMENSIONS}
+        if self.risk is not None:
+            out["risk"] = self.risk.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
-        return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in DIMENSIONS})
+        risk = RiskScore.from_dict(d["risk"]) if d.get("risk") is not None else None
+        return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in DIMENSIONS}, risk=risk)
 
     def save(self, path: str | os.PathLike[str], *, model_id: str, meta: Mapping[str, Any] | None = None,
              reading: Mapping[str, Any] | None = None) -> None:
@@ -342,14 +418,15 @@ class Thresholds:
 
 def compatible(d: Discrepancies, tau: Thresholds) -> bool:
     """True iff every applicable discrepancy is ``<= `` its threshold (``None`` = not applicable;
-    NaN always fails; an ``inf`` threshold accepts anything, even ``inf``)."""
+    NaN always fails; an ``inf`` threshold accepts anything, even ``inf``) and, when ``tau.risk`` is set, its
+    risk score accepts the pair."""
     for k in DIMENSIONS:
         v = getattr(d, k)
         if v is None:
             continue
         if not v <= getattr(tau, k):
             return False
-    return True
+    return tau.risk is None or tau.risk.accepts(d)
 
 
 def first_compatible(
