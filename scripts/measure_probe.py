@@ -90,6 +90,39 @@ def probe_all_layers(ad: EmbeddedAdapter, prompt: str, seed: int, words: list[st
     return store, positions, ad.decode_tail(x0, req)
 
 
+def model_ground_truth(pipe, scenes, caps, n_gen: int, batch: int = 16, steps: int | None = None):
+    """The model's own clips of the first ``n_gen`` scenes (seed i for scene i), read with the judge.
+
+    Returns ``(gt, judged)``: ``gt[i] = {"objs": {k: (tail-frame mask, mean CIELAB there)}, "bg": background mask}``
+    for the prompt objects the judge matched with a tail mask of >= 4 px, and the counts of objects, matched
+    objects and matched objects of the prompt's colour."""
+    t0 = time.time()
+    gt = {}
+    judged = {"objects": 0, "matched": 0, "colour_ok": 0}
+    for a in range(0, n_gen, batch):
+        idx = list(range(a, min(n_gen, a + batch)))
+        vids = sample_batch(pipe, [caps[i] for i in idx], idx, steps=steps)
+        for j, i in enumerate(idx):
+            v = vids[j].permute(1, 2, 3, 0).cpu().numpy()  # T, H, W, 3
+            rep = judge(v, caps[i])
+            objs = {}
+            for k, o in enumerate(scenes[i].objects):
+                judged["objects"] += 1
+                m = rep.matches[k]
+                if m is None:
+                    continue
+                r = rep.objects[m]
+                tail = r.masks[-1]
+                if tail.sum() < 4:
+                    continue
+                judged["matched"] += 1
+                judged["colour_ok"] += r.color == o.color
+                objs[k] = (tail, mean_lab(v[-1].astype(np.float64), tail))
+            gt[i] = dict(objs=objs, bg=~rep_fg_tail(rep))
+        print(f"generated {idx[-1] + 1}/{n_gen} clips ({time.time() - t0:.0f}s)", flush=True)
+    return gt, judged
+
+
 def iou(a: np.ndarray, b: np.ndarray) -> float:
     u = np.logical_or(a, b).sum()
     return float(np.logical_and(a, b).sum() / u) if u else 1.0
@@ -138,29 +171,7 @@ def main():
 
     # ---- ground truth: the model's own 50-step clips -----------------------------------------------
     t0 = time.time()
-    gt = {}  # scene -> dict(objs={k: (mask_px, lab)}, bg=mask_px)
-    judged = {"objects": 0, "matched": 0, "colour_ok": 0}
-    for a in range(0, G, args.gen_batch):
-        idx = list(range(a, min(G, a + args.gen_batch)))
-        vids = sample_batch(pipe, [caps[i] for i in idx], idx, steps=args.gen_steps)
-        for j, i in enumerate(idx):
-            v = vids[j].permute(1, 2, 3, 0).cpu().numpy()  # T, H, W, 3
-            rep = judge(v, caps[i])
-            objs = {}
-            for k, o in enumerate(scenes[i].objects):
-                judged["objects"] += 1
-                m = rep.matches[k]
-                if m is None:
-                    continue
-                r = rep.objects[m]
-                tail = r.masks[-1]
-                if tail.sum() < 4:
-                    continue
-                judged["matched"] += 1
-                judged["colour_ok"] += r.color == o.color
-                objs[k] = (tail, mean_lab(v[-1].astype(np.float64), tail))
-            gt[i] = dict(objs=objs, bg=~rep_fg_tail(rep))
-        print(f"generated {idx[-1] + 1}/{G} clips ({time.time() - t0:.0f}s)", flush=True)
+    gt, judged = model_ground_truth(pipe, scenes, caps, G, args.gen_batch, args.gen_steps)
     t_gen = time.time() - t0
 
     # ---- probes ------------------------------------------------------------------------------------

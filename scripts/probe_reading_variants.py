@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 from scipy import ndimage
 from skimage.filters import apply_hysteresis_threshold
-from measure_probe import probe_all_layers, iou, DE_OK
+from measure_probe import DE_OK, iou, model_ground_truth, probe_all_layers
 from carnator.backbones.embedded import EmbeddedAdapter
 from carnator.embedded import load_pipeline
-from carnator.embedded.sample import sample_batch
 from carnator.signature import (
     RegionConfig,
     ciede2000,
@@ -41,7 +40,7 @@ from carnator.signature import (
     srgb_to_lab,
     upsample_mask,
 )
-from carnator.world import caption, judge, sample_scenes
+from carnator.world import caption, sample_scenes
 from carnator.world.captions import nouns as caption_nouns
 from carnator.world.scene import COLORS
 
@@ -62,25 +61,8 @@ rng = np.random.default_rng(0)
 scenes = sample_scenes(args.n, rng, split="heldout")
 caps = [caption(s, rng, split="heldout") for s in scenes]
 G = min(args.gen, args.n)
-gt = {}
 t0 = time.time()
-for a in range(0, G, 16):
-    idx = list(range(a, min(G, a + 16)))
-    vids = sample_batch(pipe, [caps[i] for i in idx], idx)
-    for j, i in enumerate(idx):
-        v = vids[j].permute(1, 2, 3, 0).cpu().numpy()
-        rep = judge(v, caps[i])
-        objs = {}
-        for k, o in enumerate(scenes[i].objects):
-            m = rep.matches[k]
-            if m is None:
-                continue
-            tail = rep.objects[m].masks[-1]
-            if tail.sum() < 4:
-                continue
-            objs[k] = (tail, mean_lab(v[-1].astype(np.float64), tail))
-        gt[i] = objs
-    print("gen", idx[-1] + 1, time.time() - t0, flush=True)
+gt = {i: g["objs"] for i, g in model_ground_truth(pipe, scenes, caps, G, batch=16)[0].items()}
 cfg = RegionConfig()
 
 

@@ -25,13 +25,12 @@ import json
 import math
 
 import numpy as np
-from scipy.stats import beta
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import cross_val_predict
 
 from carnator.calibration import calibration_pair
-from carnator.reuse import CalibrationConfig, CompatConfig, calibrate, noun_diff
+from carnator.reuse import CalibrationConfig, CompatConfig, calibrate, noun_diff, separation
 from carnator.reuse.compat import shape_distance
 from carnator.signature import EarlySignature
 from carnator.signature.nouns import extract_nouns
@@ -47,10 +46,6 @@ def _num(v) -> float:
 def _auc(y, v) -> float:
     v = np.where(np.isinf(v), 1e9, v)
     return float(roc_auc_score(y, v))
-
-
-def _cp(k: int, n: int, c: float = 0.9) -> float:
-    return 1.0 if n == 0 or k == n else float(beta.ppf(c, k + 1, n - k))
 
 
 def shared_geometry(row, cfg=CompatConfig()) -> tuple[float, float]:
@@ -78,10 +73,9 @@ def main() -> None:
     rows = [r for r in rows if r.get("hit") and r.get("d")]
     y = np.array([not r["acceptable"] for r in rows])
     print(f"{len(rows)} reused pairs, {int(y.sum())} unacceptable")
-    for k in ("context", "size", "shape", "color", "text"):
-        v = np.array([np.nan if r["d"].get(k) is None else float(r["d"][k]) for r in rows])
-        m = ~np.isnan(v)
-        print(f"AUC {k}: {_auc(y[m], v[m]):.3f} (n {int(m.sum())})")
+    cal_pairs = [calibration_pair(r) for r in rows]
+    for k, v in separation(cal_pairs).items():
+        print(f"AUC {k}: {v['auc']:.3f} (n {v['unacceptable'] + v['acceptable']})")
     with_sig = [i for i, r in enumerate(rows) if (r.get("signatures") or {}).get("query") and r["signatures"].get("source")]
     if with_sig:
         g = np.array([shared_geometry(rows[i]) for i in with_sig])
@@ -93,7 +87,6 @@ def main() -> None:
     print(f"cross-validated AUC: linear risk score {roc_auc_score(y, p):.3f}, text alone {roc_auc_score(y, pt):.3f}")
     print("| delta | selection rule | decision rule | certified splits | mean cert. coverage | unsafe share of what it accepts |")
     print("|---|---|---|---|---|---|")
-    cal_pairs = [calibration_pair(r) for r in rows]
     for delta in (0.05, 0.075, 0.10):
         for rule in ("point", "bound"):
             rows_out = {}

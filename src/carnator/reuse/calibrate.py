@@ -386,7 +386,9 @@ def select_risk(pairs: Sequence[CalibrationPair], delta: float, confidence: floa
         w, b = fit_logistic(X[ok], unsafe[ok], l2)
     off = dict.fromkeys(DIMENSIONS, math.inf)
     base = RiskScore(tuple(w), b, -1.0)
-    scores = np.array([base.risk(p.d) for p in pairs])   # NaN for NaN inputs: never accepted
+    # Scored through RiskScore.risk itself, not a vectorized copy: the threshold is then exactly the value the policy
+    # and evaluate() compare against. NaN inputs give NaN: never accepted.
+    scores = np.array([base.risk(p.d) for p in pairs])
     allowed = allowed_unsafe(len(pairs), delta, confidence)
     best = (0, 0, -1.0)   # accepted, unsafe, threshold: nothing accepted
     for t in np.unique(scores[np.isfinite(scores)]):

@@ -253,7 +253,9 @@ def risk_features(d: Discrepancies) -> np.ndarray:
         if v is None:
             return none
         v = float(v)
-        return _UNDEFINED if v == math.inf else max(v, 0.0) if not math.isnan(v) else math.nan
+        if math.isnan(v):
+            return math.nan
+        return _UNDEFINED if v == math.inf else max(v, 0.0)
 
     x = [conv(d.context, 0.0), conv(d.size, _NOT_APPLICABLE), conv(d.shape, _NOT_APPLICABLE), conv(d.color, _NOT_APPLICABLE),
          conv(d.text, _TEXT_UNMEASURED)]
