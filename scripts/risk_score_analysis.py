@@ -10,11 +10,12 @@ Reads ``carnator calibrate`` rows (pairs.jsonl). Prints
   colour only, in ``context``);
 * the cross-validated AUC (5 folds) of a logistic regression on log(1 + d) of the five discrepancies plus a
   "no substitution" flag (None -> 50, inf -> 1000 before the log), and of text alone;
-* ``carnator.reuse.calibrate`` with each decision rule on ``--splits`` random 30/70 splits (split seeds 0..): the
-  paper's box of per-dimension thresholds (``--box-candidates`` grid values per dimension; calibrate's default is
-  64, which takes minutes per split) and ``rule="linear"`` (that risk score fitted on the selection split, one
-  threshold on it), each with the paper's selection rule (point) and the 90 % bound one (bound), certified with the
-  one-sided 90 % Clopper-Pearson bound on the other 70 %.
+* ``carnator.reuse.calibrate`` with each decision rule on ``--splits`` random splits (split seeds 0..; selection
+  share ``--fractions``, the paper's 0.3) at each of ``--deltas``: the paper's box of per-dimension thresholds
+  (``--box-candidates`` grid values per dimension; calibrate's default is 64, which takes minutes per split) and
+  ``rule="linear"`` (that risk score fitted on the selection split, one threshold on it), each with every
+  ``--selection`` rule (point: the paper's; a number C: the Clopper-Pearson bound at C), certified with the
+  one-sided 90 % Clopper-Pearson bound on the rest.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def main() -> None:
     ap.add_argument("pairs")
     ap.add_argument("--splits", type=int, default=20)
     ap.add_argument("--box-candidates", type=int, default=24)
+    ap.add_argument("--deltas", default="0.05,0.075,0.1", help="comma-separated tolerated unsafe rates")
+    ap.add_argument("--selection", default="point,0.9",
+                    help="comma-separated selection rules: point (the paper) or a confidence C (the Clopper-Pearson bound at C)")
+    ap.add_argument("--fractions", default="0.3", help="comma-separated selection-split fractions (the paper: 0.3)")
     args = ap.parse_args()
     opener = gzip.open if args.pairs.endswith(".gz") else open
     with opener(args.pairs, "rt") as f:
@@ -85,18 +90,22 @@ def main() -> None:
     p = cross_val_predict(LogisticRegression(max_iter=5000), X, y, cv=5, method="predict_proba")[:, 1]
     pt = cross_val_predict(LogisticRegression(max_iter=5000), X[:, [4]], y, cv=5, method="predict_proba")[:, 1]
     print(f"cross-validated AUC: linear risk score {roc_auc_score(y, p):.3f}, text alone {roc_auc_score(y, pt):.3f}")
-    print("| delta | selection rule | decision rule | certified splits | mean cert. coverage | unsafe share of what it accepts |")
-    print("|---|---|---|---|---|---|")
-    for delta in (0.05, 0.075, 0.10):
-        for rule in ("point", "bound"):
-            rows_out = {}
-            for name, kw in (("box (paper)", {"rule": "box", "max_candidates": args.box_candidates}), ("linear risk", {"rule": "linear"})):
-                res = [calibrate(cal_pairs, CalibrationConfig(delta=delta, split_seed=seed, selection_confidence=None if rule == "point" else 0.9, **kw))
-                       for seed in range(args.splits)]
-                acc_n, acc_k = sum(r.certification_accepted for r in res), sum(r.certification_unsafe for r in res)
-                rows_out[name] = (sum(r.certified for r in res), acc_n / args.splits / res[0].certification_size, acc_k / max(acc_n, 1))
-            for name, (cert, cov, share) in rows_out.items():
-                print(f"| {delta:g} | {rule} | {name} | {cert} / {args.splits} | {cov:.3f} | {share:.3f} |", flush=True)
+    print("| delta | selection split | selection rule | decision rule | certified splits | mean cert. coverage | unsafe share of what it accepts |")
+    print("|---|---|---|---|---|---|---|")
+    for delta in map(float, args.deltas.split(",")):
+        for frac in map(float, args.fractions.split(",")):
+            for sel in args.selection.split(","):
+                conf = None if sel == "point" else float(sel)
+                rows_out = {}
+                for name, kw in (("box (paper)", {"rule": "box", "max_candidates": args.box_candidates}), ("linear risk", {"rule": "linear"})):
+                    res = [calibrate(cal_pairs, CalibrationConfig(delta=delta, split_seed=seed, selection_fraction=frac,
+                                                                  selection_confidence=conf, **kw))
+                           for seed in range(args.splits)]
+                    acc_n, acc_k = sum(r.certification_accepted for r in res), sum(r.certification_unsafe for r in res)
+                    rows_out[name] = (sum(r.certified for r in res), acc_n / args.splits / res[0].certification_size, acc_k / max(acc_n, 1))
+                for name, (cert, cov, share) in rows_out.items():
+                    rule = "point" if conf is None else f"bound {conf:g}"
+                    print(f"| {delta:g} | {frac:g} | {rule} | {name} | {cert} / {args.splits} | {cov:.3f} | {share:.3f} |", flush=True)
 
 if __name__ == "__main__":
     main()

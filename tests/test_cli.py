@@ -122,8 +122,9 @@ def test_bad_request(capsys, model_dir, tmp_path, cache, args, words):
 
 @pytest.mark.parametrize("args, words", [(["--pairs", "2"], ["--pairs", "at least 4"]), (["--jobs", "0"], ["--jobs"]),
                                          (["--model", "x"], ["judge", "--model embedded"]),
-                                         (["--option", "carnator.nope=1"], ["--option", "its fields"])],
-                         ids=["pairs", "jobs", "model", "option"])
+                                         (["--option", "carnator.nope=1"], ["--option", "its fields"]),
+                                         (["--select-only"], ["no pairs to select from", "without --select-only"])],
+                         ids=["pairs", "jobs", "model", "option", "select-only-empty"])
 def test_bad_calibrate_args(capsys, tmp_path, args, words):
     code, out, err = run(capsys, "calibrate", *args, "--out", tmp_path / "cal", "--cache-dir", tmp_path / "cache")
     assert_user_error(code, err, *words)

@@ -447,6 +447,32 @@ def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
     assert json.loads((tmp_path / "thresholds.json").read_text())["meta"]["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}
 
 
+def test_select_only_calibration_uses_every_stored_pair_and_generates_none(tmp_path):
+    """calibrate --select-only: the stored pairs (holes and all, as a cut --jobs run leaves them) are selected and
+    certified whatever --pairs says; the engine has no generate, embedder or bank, so touching one would raise.
+    With no pairs stored it is a one-line error."""
+    from types import SimpleNamespace
+
+    from carnator.calibration import run_calibration
+    from carnator.errors import CarnatorError
+    from carnator.policies.carnator import CarnatorConfig
+
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    with pytest.raises(CarnatorError, match="holds no pairs to select from"):
+        run_calibration(engine, tmp_path, 4, progress=lambda *_: None, generate=False)
+    # indices 0, 2, 5, 9: 3 acceptable (fidelity kept), 1 not (lost 0.4)
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for i, rf in zip((0, 2, 5, 9), (1.0, 1.0, 0.6, 1.0)):
+            f.write(json.dumps({"i": i, "kind": "reroll", "source": "a red ball", "target": "a red ball", "hit": True,
+                                "d": {"context": 1.0 + i, "size": None, "shape": None, "color": None, "text": 0.0},
+                                "dense": {"fidelity": 1.0, "artifact": 0.0}, "reuse": {"fidelity": rf, "artifact": 0.0}}) + "\n")
+    got = run_calibration(engine, tmp_path, 2, progress=lambda *_: None, pairs_from="edits", generate=False)
+    assert (got["pairs"], got["reusable_pairs"], got["acceptable"]) == (4, 4, 3)
+    res = got["result"]
+    assert res["selection"]["size"] + res["certification"]["size"] == 4
+    assert json.loads((tmp_path / "thresholds.json").read_text())["meta"]["certification"] == res["certification"]
+
+
 def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
     """calibrate --jobs: shard (k, n) generates exactly pairs k, k + n, ... and selects nothing; the final
     unsharded run finds every pair stored, generates none, and selects over all of them."""

@@ -153,15 +153,21 @@ def recall_pairs(warm, stream, embedder, *, top_k: int = 10, n: int | None = Non
 
 def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = None, rule: QualityRule = QualityRule(),
                     cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | None = None, progress=print,
-                    shard: tuple[int, int] | None = None, pairs_from: str = "stream", warm: int = 100) -> dict | None:
+                    shard: tuple[int, int] | None = None, pairs_from: str = "stream", warm: int = 100,
+                    generate: bool = True) -> dict | None:
     """Generate and judge the pairs not yet in ``out_dir/pairs.jsonl``, then select and certify thresholds and write
-    them (thresholds.json, calibration.json); returns the summary. ``shard=(k, n)``: only pairs k, k + n, ... and
-    return None without selecting (a worker of ``carnator calibrate --jobs n``; workers append to one pairs.jsonl).
+    them (thresholds.json, calibration.json); returns the summary. ``generate=False`` (``--select-only``) generates
+    nothing: it selects and certifies from every pair already there (``n_pairs`` ignored), e.g. under another rule.
+    ``shard=(k, n)``: only pairs k, k + n, ... and return None without selecting (a worker of
+    ``carnator calibrate --jobs n``; workers append to one pairs.jsonl).
     ``pairs_from``: "stream" (:func:`stream_pairs` over ``warm`` warm requests, recalled with the engine's
     embedder) or "edits" (:func:`make_pairs`)."""
     from .policies.carnator import CarnatorConfig, CarnatorPolicy
     from .world.judge import judge
 
+    log_path = out_dir / "pairs.jsonl"
+    if not generate and not (log_path.exists() and log_path.read_text().strip()):
+        raise CarnatorError(f"{out_dir} holds no pairs to select from (pairs.jsonl); run without --select-only first")
     out_dir.mkdir(parents=True, exist_ok=True)
     open_tau = out_dir / "open_thresholds.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=engine.model_identity)
@@ -172,7 +178,6 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     # The source runs carnator with the same resume step, so that its entry keeps the latents the reuse reads
     # (EngineConfig.capture_steps="auto"); it is alone in its tenant, so always a miss.
     engine._policies["carnator-source"] = CarnatorPolicy(CarnatorConfig(**{**vars(base), **at}))
-    log_path = out_dir / "pairs.jsonl"
     if pairs_from not in ("stream", "edits"):
         raise CarnatorError(f"pairs_from must be 'stream' or 'edits', not {pairs_from!r}")
     reading = CarnatorPolicy(base).reading()
@@ -192,7 +197,10 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
             r = json.loads(line)
             r["acceptable"] = rule.label(r)   # this run's rule: a run resumed with other deltas relabels
             done[r["i"]] = r
-    pairs = make_pairs(n_pairs) if pairs_from == "edits" else stream_pairs(n_pairs, engine.embedder, warm=warm, top_k=base.top_k)
+    if not generate:
+        pairs = []
+    else:
+        pairs = make_pairs(n_pairs) if pairs_from == "edits" else stream_pairs(n_pairs, engine.embedder, warm=warm, top_k=base.top_k)
     with open(log_path, "a") as log:
         for i, (kind, src, s_seed, tgt, t_seed) in enumerate(pairs):
             if i in done or (shard is not None and i % shard[1] != shard[0]):
@@ -232,7 +240,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     tau_path = out_dir / "thresholds.json"
     res.thresholds.save(tau_path, model_id=engine.model_identity, reading=reading, meta={**res.to_dict(), "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,
                                  "decision_rule": cfg.rule})
-    summary = {"pairs": len(pairs), **source, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
+    summary = {"pairs": len(done), **source, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
                "rule": vars(rule), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,
                "decision_rule": cfg.rule, "separation": separation(cal_pairs), "result": res.to_dict(), "thresholds_file": str(tau_path)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -160,7 +160,7 @@ def cmd_calibrate(args) -> int:
         raise CarnatorError("--jobs must be 1 or more")
     if args.warm < 1:
         raise CarnatorError("--warm must be 1 or more")
-    if args.jobs > 1 and args.shard is None:
+    if args.jobs > 1 and args.shard is None and not args.select_only:
         # Workers generate and judge disjoint shards of the pairs, appending to one pairs.jsonl; the run below
         # then finds every pair done and only selects and certifies.
         import multiprocessing as mp
@@ -179,7 +179,8 @@ def cmd_calibrate(args) -> int:
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold,
                                                     selection_confidence=args.selection_confidence, rule=args.rule),
                               resume_step=args.resume_step,
-                              shard=args.shard, pairs_from=args.pairs_from, warm=args.warm)
+                              shard=args.shard, pairs_from=args.pairs_from, warm=args.warm,
+                              generate=not args.select_only)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
     return 0
@@ -477,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generate the pairs in N worker processes (set OMP_NUM_THREADS so that N x threads fits the cores)")
     k.add_argument("--cuda-graphs", action="store_true",
                    help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
+    k.add_argument("--select-only", action="store_true",
+                   help="generate no pairs: select and certify from every pair already in --out (e.g. under another --rule, "
+                        "--delta or quality rule; --pairs is then ignored)")
     k.set_defaults(shard=None)  # set by _worker only
     k.set_defaults(func=cmd_calibrate)
 
