@@ -471,6 +471,13 @@ def test_select_only_calibration_uses_every_stored_pair_and_generates_none(tmp_p
     res = got["result"]
     assert res["selection"]["size"] + res["certification"]["size"] == 4
     assert json.loads((tmp_path / "thresholds.json").read_text())["meta"]["certification"] == res["certification"]
+    # how the pairs were drawn comes from the folder (no need to repeat --pairs-from / --warm) ...
+    again = run_calibration(engine, tmp_path, 2, progress=lambda *_: None, pairs_from="stream", warm=7, generate=False)
+    assert again["pairs_from"] == "edits" and "warm" not in again and again["result"] == res
+    # ... but pairs read under another reading are refused
+    other = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig(modifiers=0)))
+    with pytest.raises(CarnatorError, match="signatures were read as"):
+        run_calibration(other, tmp_path, 2, progress=lambda *_: None, generate=False)
 
 
 def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):

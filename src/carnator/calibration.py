@@ -166,7 +166,7 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     from .world.judge import judge
 
     log_path = out_dir / "pairs.jsonl"
-    if not generate and not (log_path.exists() and log_path.read_text().strip()):
+    if not generate and not (log_path.exists() and log_path.stat().st_size > 0):
         raise CarnatorError(f"{out_dir} holds no pairs to select from (pairs.jsonl); run without --select-only first")
     out_dir.mkdir(parents=True, exist_ok=True)
     open_tau = out_dir / "open_thresholds.json"
@@ -185,6 +185,13 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     source = {"pairs_from": pairs_from, **({"warm": warm, "top_k": base.top_k} if pairs_from == "stream" else {}),
               "reading": json.loads(json.dumps(reading))}
     meta_path = out_dir / "pairs.meta.json"
+    if not generate and meta_path.exists():
+        # Nothing is drawn: how the stored pairs were drawn is theirs to say; only the reading must be this policy's.
+        stored = json.loads(meta_path.read_text())
+        if stored.get("reading") != source["reading"]:
+            raise CarnatorError(f"{out_dir} holds pairs whose signatures were read as {stored.get('reading')}, not as this policy "
+                                f"reads them ({source['reading']}); set the same --option carnator.FIELD values")
+        source = stored
     if meta_path.exists() and json.loads(meta_path.read_text()) != source:
         raise CarnatorError(f"{out_dir} holds pairs drawn as {json.loads(meta_path.read_text())}, not {source}; use another --out")
     if not meta_path.exists():

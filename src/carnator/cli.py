@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
     k.add_argument("--select-only", action="store_true",
                    help="generate no pairs: select and certify from every pair already in --out (e.g. under another --rule, "
-                        "--delta or quality rule; --pairs is then ignored)")
+                        "--delta or quality rule; --pairs, --pairs-from and --warm are then taken from the folder)")
     k.set_defaults(shard=None)  # set by _worker only
     k.set_defaults(func=cmd_calibrate)
 
