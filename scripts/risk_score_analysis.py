@@ -9,7 +9,7 @@ Reads ``carnator calibrate`` rows (pairs.jsonl). Prints
   the size and shape discrepancies taken over the nouns both prompts share (the paper compares shared nouns by
   colour only, in ``context``);
 * the cross-validated AUC (5 folds) of a logistic regression on log(1 + d) of the five discrepancies plus a
-  "no substitution" flag (None -> 50, inf -> 1000 before the log), and of text alone;
+  "no substitution" flag (``reuse.risk_features``, what ``--rule linear`` fits on), and of text alone;
 * ``carnator.reuse.calibrate`` with each decision rule on ``--splits`` random splits (split seeds 0..; selection
   share ``--fractions``, the paper's 0.3) at each of ``--deltas``: the paper's box of per-dimension thresholds
   (``--box-candidates`` grid values per dimension; calibrate's default is 64, which takes minutes per split) and
@@ -31,17 +31,10 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import cross_val_predict
 
 from carnator.calibration import calibration_pair
-from carnator.reuse import CalibrationConfig, CompatConfig, calibrate, noun_diff, separation
+from carnator.reuse import CalibrationConfig, CompatConfig, calibrate, noun_diff, risk_features, separation
 from carnator.reuse.compat import shape_distance
 from carnator.signature import EarlySignature
 from carnator.signature.nouns import extract_nouns
-
-
-def _num(v) -> float:
-    if v is None:
-        return 50.0
-    v = float(v)
-    return 1e3 if math.isinf(v) else v
 
 
 def _auc(y, v) -> float:
@@ -85,8 +78,7 @@ def main() -> None:
     if with_sig:
         g = np.array([shared_geometry(rows[i]) for i in with_sig])
         print(f"AUC shared size: {_auc(y[with_sig], g[:, 0]):.3f}, shared shape: {_auc(y[with_sig], g[:, 1]):.3f} (n {len(with_sig)})")
-    X = np.log1p(np.array([[_num(r["d"]["context"]), _num(r["d"].get("size")), _num(r["d"].get("shape")), _num(r["d"].get("color")),
-                            float(r["d"]["text"]), float(r["d"].get("size") is None)] for r in rows]))
+    X = np.stack([risk_features(p.d) for p in cal_pairs])   # the features the library's linear rule fits on
     p = cross_val_predict(LogisticRegression(max_iter=5000), X, y, cv=5, method="predict_proba")[:, 1]
     pt = cross_val_predict(LogisticRegression(max_iter=5000), X[:, [4]], y, cv=5, method="predict_proba")[:, 1]
     print(f"cross-validated AUC: linear risk score {roc_auc_score(y, p):.3f}, text alone {roc_auc_score(y, pt):.3f}")

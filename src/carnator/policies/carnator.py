@@ -208,7 +208,8 @@ class CarnatorPolicy(Policy):
         tm["decision"] = time.perf_counter() - t0
         # The request's own signature goes into its stats too: why it hit or missed can be read, and calibration
         # rows keep it, so that another discrepancy definition can be evaluated without generating again.
-        miss = Plan(hit=False, entry_extra=extra, entry_tensors=ev_tensors, notes={"candidates": len(candidates), "signature": extra["signature"]})
+        notes = {"candidates": len(candidates), "signature": extra["signature"]}
+        miss = Plan(hit=False, entry_extra=extra, entry_tensors=ev_tensors, notes=dict(notes))
         if won is None:
             return miss
 
@@ -218,8 +219,7 @@ class CarnatorPolicy(Policy):
         if plan is None:
             return miss
         plan.entry_extra, plan.entry_tensors = extra, ev_tensors
-        plan.notes["candidates"] = len(candidates)
-        plan.notes["signature"] = extra["signature"]
+        plan.notes.update(notes)
         return plan
 
     def _prefetch(self, ctx, entry_id: str) -> tuple[str, Future]:
