@@ -19,9 +19,11 @@ import torch
 from carnator.cache import (
     LCBFU,
     LRU,
+    VIDEO,
     CacheBank,
     EntryMeta,
     EvictionPolicy,
+    StoreSpec,
     available_backends,
     compat_key,
     default_cache_dir,
@@ -29,7 +31,9 @@ from carnator.cache import (
     get_eviction,
     register_eviction,
 )
-from carnator.cache.bank import DB_FILE, QUARANTINE_DIR, TENSOR_DIR, VERSION_FILE
+from carnator.cache._faults import POINTS
+from carnator.cache.bank import BLOB_DIR, DB_FILE, QUARANTINE_DIR, VERSION_FILE
+from carnator.cache.store import blob_key
 from carnator.errors import CacheError, CarnatorError
 
 HAS_FAISS = "faiss" in available_backends()
@@ -47,8 +51,8 @@ class Clock:
         return self.t
 
 
-def _admit(bank: CacheBank, emb, *, tenant="t", key="k", n=16, **kw) -> str:
-    entry_id = bank.admit(
+def _spec(emb, *, tenant="t", key="k", n=16, **kw) -> StoreSpec:
+    return StoreSpec(
         tenant=tenant,
         compat_key=key,
         prompt=kw.pop("prompt", "a cat"),
@@ -56,8 +60,16 @@ def _admit(bank: CacheBank, emb, *, tenant="t", key="k", n=16, **kw) -> str:
         tensors=kw.pop("tensors", {"x": torch.arange(n, dtype=torch.float32)}),
         **kw,
     )
+
+
+def _admit(bank: CacheBank, emb, **kw) -> str:
+    entry_id = bank.admit(_spec(emb, **kw))
     assert entry_id is not None
     return entry_id
+
+
+def _tensor_blob(bank: CacheBank, entry_id: str) -> Path:
+    return bank.root / BLOB_DIR / blob_key(entry_id, "tensors")
 
 
 def _meta(id_: str, *, last_used: float, use_count: int = 0, steps_saved: float = 0.0, nbytes: int = 10) -> EntryMeta:
@@ -108,7 +120,8 @@ def test_round_trip_is_bit_exact(bank):
     meta = bank.get(entry_id)
     assert (meta.seed, meta.negative_prompt, meta.steps_saved) == (2**64 - 1, "blurry", 12.5)
     assert meta.extra == {"nouns": ["cat"], "sig": 0.25}
-    assert meta.nbytes == os.path.getsize(bank.root / TENSOR_DIR / f"{entry_id}.safetensors")
+    assert meta.nbytes == os.path.getsize(_tensor_blob(bank, entry_id))
+    assert meta.tensor_names == tuple(sorted(tensors)) and not meta.has_video
     np.testing.assert_array_equal(meta.embedding, np.array([1, 0], np.float32))
     assert bank.load("no-such-id") is None
 
@@ -121,7 +134,7 @@ def test_entries_survive_reopen(tmp_path):
         assert b.get(entry_id) == before
         assert b.lookup_exact("t", "e1") == before
         assert torch.equal(b.load(entry_id)["x"], torch.arange(16, dtype=torch.float32))
-        assert (tmp_path / VERSION_FILE).read_text() == "carnator-cache 1\n"
+        assert (tmp_path / VERSION_FILE).read_text() == "carnator-cache 2\n"
 
 
 # -- recall -------------------------------------------------------------------------------------
@@ -144,7 +157,7 @@ def test_recall_matches_hand_computed_cosines(tmp_path, backend):
         top2 = b.recall("t", "k", [2.0, 0.0, 0.0], k=2)
         assert [m.id for m, _ in top2] == [ids["same"], ids["diag"]]
         assert b.recall("t", "k", [1, 0, 0], k=0) == []
-        with pytest.raises(ValueError):
+        with pytest.raises(CacheError, match="3-d recall embeddings, not 2-d"):
             b.recall("t", "k", [1, 0], k=1)  # wrong dimension
 
 
@@ -208,11 +221,11 @@ def test_exact_key_lookup_and_replacement(bank):
     new = _admit(bank, [1, 0], exact_key="e", key="k1", seed=2)  # same exact key replaces the old entry
     assert bank.lookup_exact("t", "e").id == new
     assert bank.get(old) is None and bank.load(old) is None
-    assert not (bank.root / TENSOR_DIR / f"{old}.safetensors").exists()
+    assert not _tensor_blob(bank, old).exists()
     assert {e.id for e in bank.entries()} == {new, other}
 
 
-def test_touch_remove_and_clear(bank):
+def test_touch_evict_and_clear(bank):
     a = _admit(bank, [1, 0])
     b = _admit(bank, [0, 1])
     before = bank.get(a)
@@ -220,11 +233,11 @@ def test_touch_remove_and_clear(bank):
     after = bank.get(a)
     assert (after.use_count, after.steps_saved) == (2, 7.0) and after.last_used > before.last_used
     assert not bank.touch("missing")
-    assert bank.remove(a) and not bank.remove(a)
+    assert bank.evict([a]) == 1 and bank.evict([a, "nope"]) == 0
     assert a not in bank and b in bank
     assert [m.id for m, _ in bank.recall("t", "k", [1, 0])] == [b]
     assert bank.clear() == 1 and len(bank) == 0
-    assert list((bank.root / TENSOR_DIR).iterdir()) == []
+    assert list((bank.root / BLOB_DIR).iterdir()) == []
 
 
 def test_second_instance_sees_other_writers(tmp_path):
@@ -234,7 +247,7 @@ def test_second_instance_sees_other_writers(tmp_path):
         assert [m.id for m, _ in b.recall("t", "k", [1, 0])] == [x]  # b builds its index
         y = _admit(a, [1, 1])
         assert [m.id for m, _ in b.recall("t", "k", [1, 0])] == [x, y]  # incremental insert
-        a.remove(x)
+        a.evict([x])
         assert [m.id for m, _ in b.recall("t", "k", [1, 0])] == [y]  # incremental removal
         a.clear()
         assert b.recall("t", "k", [1, 0]) == []
@@ -242,17 +255,24 @@ def test_second_instance_sees_other_writers(tmp_path):
         assert [m.id for m, _ in a.recall("t", "k", [0, 1])] == [z]
 
 
-def test_embedding_dimension_is_enforced(tmp_path):
-    with CacheBank(tmp_path, embed_dim=3) as b:
-        with pytest.raises(ValueError):
-            _admit(b, [1, 0])
-        with pytest.raises(ValueError):
-            _admit(b, [1, float("nan"), 0])
-        _admit(b, [1, 0, 0])
-    with pytest.raises(CacheError, match="3-d"):
-        CacheBank(tmp_path, embed_dim=4)
+def test_embedding_size_is_per_scope(tmp_path):
+    """Each (tenant, compat_key) scope has its own embedding size: two embedders (whose compat keys name them) share
+    one directory; feeding one scope two sizes is a clear error, before anything is written."""
     with CacheBank(tmp_path) as b:
-        assert b.embed_dim == 3
+        small = _admit(b, [1, 0, 0], key="k-embedder-a")
+        big = _admit(b, np.ones(5), key="k-embedder-b")
+        with pytest.raises(CacheError, match="3-d recall embeddings, not 2-d") as info:
+            _admit(b, [1, 0], key="k-embedder-a")
+        assert "\n" not in str(info.value)
+        with pytest.raises(ValueError):
+            _admit(b, [1, float("nan"), 0], key="k-embedder-a")
+        with pytest.raises(CacheError, match="5-d"):
+            b.recall("t", "k-embedder-b", [1, 0, 0])
+        assert [m.id for m, _ in b.recall("t", "k-embedder-a", [1, 0, 0])] == [small]
+        assert [m.id for m, _ in b.recall("t", "k-embedder-b", np.ones(5))] == [big]
+        assert len(list((b.root / BLOB_DIR).iterdir())) == 2  # the refused admissions wrote nothing
+        b.evict([small])  # an emptied scope takes any size
+        _admit(b, [1, 0], key="k-embedder-a")
 
 
 # -- eviction -----------------------------------------------------------------------------------
@@ -293,10 +313,11 @@ def test_eviction_registry():
     assert isinstance(get_eviction("largest-first-test"), LargestFirst)
 
 
-def test_capacity_enforced_with_lru(tmp_path):
+def test_capacity_enforced_with_lru(tmp_path, caplog):
     with CacheBank(tmp_path / "probe") as probe:
         size = probe.get(_admit(probe, [1, 0])).nbytes  # every test entry has the same size
-    with CacheBank(tmp_path / "bank", capacity_bytes=3 * size, clock=Clock()) as b:
+    with CacheBank(tmp_path / "bank", clock=Clock()) as b:
+        b.configure(capacity_bytes=3 * size)
         a, b_, c = (_admit(b, [1, 0]) for _ in range(3))
         assert b.stats().bytes == 3 * size
         b.touch(a)  # a is now more recent than b_ and c
@@ -305,16 +326,22 @@ def test_capacity_enforced_with_lru(tmp_path):
         e = _admit(b, [0, 1])
         assert {e_.id for e_ in b.entries()} == {a, d, e}  # then c
         assert b.stats().bytes <= 3 * size
-        assert not (b.root / TENSOR_DIR / f"{b_}.safetensors").exists()
-        too_big = b.admit(tenant="t", compat_key="k", prompt="p", embedding=[1, 0],
-                          tensors={"x": torch.zeros(1000)})
+        assert not _tensor_blob(b, b_).exists()
+        with caplog.at_level(logging.WARNING, logger="carnator.cache"):
+            too_big = b.admit(_spec([1, 0], tensors={"x": torch.zeros(1000)}))
         assert too_big is None and len(b) == 3
+        (rec,) = [r for r in caplog.records if "larger than" in r.getMessage()]
+        assert rec.levelno == logging.WARNING  # it used to be INFO: invisible
+        msg = rec.getMessage()
+        assert f"capacity of {3 * size} bytes" in msg
+        assert int(msg.split("a ", 1)[1].split("-byte")[0]) > 3 * size  # names the entry's size too
 
 
 def test_capacity_enforced_with_lcbfu(tmp_path):
     with CacheBank(tmp_path / "probe") as probe:
         size = probe.get(_admit(probe, [1, 0])).nbytes
-    with CacheBank(tmp_path / "bank", capacity_bytes=3 * size, eviction="lcbfu", clock=Clock()) as b:
+    with CacheBank(tmp_path / "bank", clock=Clock()) as b:
+        b.configure(capacity_bytes=3 * size, eviction="lcbfu")
         big = _admit(b, [1, 0], steps_saved=20)
         small = _admit(b, [1, 0], steps_saved=2)
         fresh = _admit(b, [1, 0], steps_saved=30)  # benefit stays 0
@@ -328,21 +355,29 @@ def test_capacity_enforced_with_lcbfu(tmp_path):
 
 
 def test_policy_that_frees_too_little_rolls_back(tmp_path):
+    @register_eviction("stingy-test")
     class Stingy(EvictionPolicy):
         def victims(self, entries, bytes_needed):
             return []
 
     with CacheBank(tmp_path / "probe") as probe:
         size = probe.get(_admit(probe, [1, 0])).nbytes
-    with CacheBank(tmp_path / "bank", capacity_bytes=2 * size, eviction=Stingy()) as b:
+    with CacheBank(tmp_path / "bank") as b:
+        assert b.configure(capacity_bytes=2 * size, eviction=Stingy()).eviction == "stingy-test"
         old = _admit(b, [1, 0], exact_key="e")
         other = _admit(b, [1, 0])
         # Replacing "e" frees `size` bytes, but the new entry is 64 bytes larger and Stingy evicts nothing.
-        assert b.admit(tenant="t", compat_key="k", prompt="p", embedding=[1, 0], exact_key="e",
-                       tensors={"x": torch.zeros(32)}) is None
+        assert b.admit(_spec([1, 0], exact_key="e", tensors={"x": torch.zeros(32)})) is None
         assert b.lookup_exact("t", "e").id == old  # the replacement was rolled back too
-        assert sorted(p.name for p in (b.root / TENSOR_DIR).iterdir()) == sorted(
-            f"{i}.safetensors" for i in (old, other))
+        assert sorted(p.name for p in (b.root / BLOB_DIR).iterdir()) == sorted(
+            blob_key(i, "tensors") for i in (old, other))
+
+        class Unregistered(EvictionPolicy):
+            def victims(self, entries, bytes_needed):
+                return []
+
+        with pytest.raises(CacheError, match="not registered"):
+            b.configure(eviction=Unregistered())
 
 
 def test_closed_bank_raises(tmp_path):
@@ -353,8 +388,13 @@ def test_closed_bank_raises(tmp_path):
 
 
 def test_capacity_must_be_positive(tmp_path):
-    with pytest.raises(CacheError):
-        CacheBank(tmp_path, capacity_bytes=0)
+    with CacheBank(tmp_path) as b:
+        for bad in (0, -5, 1.5, True, "40MB"):
+            with pytest.raises(CacheError, match="positive number of bytes"):
+                b.configure(capacity_bytes=bad)
+        with pytest.raises(CacheError, match="unknown eviction policy"):
+            b.configure(eviction="fifo-ish")
+        assert b.stats().capacity_bytes is None and b.stats().eviction == "lru"  # nothing half-applied
 
 
 # -- corruption and crashes ---------------------------------------------------------------------
@@ -363,7 +403,7 @@ def test_capacity_must_be_positive(tmp_path):
 def test_flipped_bytes_are_quarantined(bank, caplog):
     good = _admit(bank, [1, 0])
     bad = _admit(bank, [1, 0])
-    path = bank.root / TENSOR_DIR / f"{bad}.safetensors"
+    path = _tensor_blob(bank, bad)
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0xFF  # inside the tensor data: still parses, only the checksum catches it
     path.write_bytes(bytes(raw))
@@ -378,29 +418,40 @@ def test_flipped_bytes_are_quarantined(bank, caplog):
     assert bank.load(new) is not None
 
 
-def test_verify_quarantines_and_removes_orphans(bank):
+def test_verify_quarantines_reports_lost_and_removes_leftovers(bank):
     ok = _admit(bank, [1, 0])
     bad = _admit(bank, [1, 0])
     gone = _admit(bank, [1, 0])
-    tdir = bank.root / TENSOR_DIR
-    (tdir / f"{bad}.safetensors").write_bytes(b"garbage")
-    (tdir / f"{gone}.safetensors").unlink()
-    (tdir / "deadbeef.safetensors").write_bytes(b"orphan")
-    (tdir / ".deadbeef.123.abcd.part").write_bytes(b"half")
+    evicted = _admit(bank, [1, 0])
+    tdir = bank.root / BLOB_DIR
+    _tensor_blob(bank, bad).write_bytes(b"garbage")
+    _tensor_blob(bank, gone).unlink()
+    keep = _tensor_blob(bank, evicted).read_bytes()
+    bank.evict([evicted])
+    _tensor_blob(bank, evicted).write_bytes(keep)  # as if the evicting process died between row and blob
+    (tdir / blob_key("deadbeef", "tensors")).write_bytes(b"a published blob whose row the database lost")
+    (tdir / f".{blob_key('cafe', 'tensors')}.part").write_bytes(b"an admission that never committed")
     report = bank.verify(orphan_grace_s=0)
     assert report.checked == 1 and not report.ok
-    assert report.quarantined == [bad] and report.missing == [gone]
-    assert sorted(report.orphans_removed) == [".deadbeef.123.abcd.part", "deadbeef.safetensors"]
+    assert report.quarantined == [bad] and report.missing == [gone] and report.lost == ["deadbeef"]
+    assert sorted(report.orphans_removed) == [f".{blob_key('cafe', 'tensors')}.part", blob_key(evicted, "tensors")]
+    assert report.problems == [
+        f"corrupt: entry {bad} failed its checksum or could not be read",
+        f"missing: entry {gone} lost its blob",
+        "lost: 1 entries whose metadata is gone (deadbeef)",
+    ]
     assert [e.id for e in bank.entries()] == [ok]
-    assert sorted(p.name for p in tdir.iterdir()) == [f"{ok}.safetensors"]
-    assert bank.verify(orphan_grace_s=0).ok
+    assert sorted(p.name for p in tdir.iterdir()) == [blob_key(ok, "tensors")]
+    again = bank.verify(orphan_grace_s=0)
+    assert again.ok and again.checked == 1 and again.problems == []
 
 
-def test_recent_orphans_are_left_for_their_writer(bank):
-    orphan = bank.root / TENSOR_DIR / "cafe.safetensors"
-    orphan.write_bytes(b"maybe being committed by another process")
-    assert bank.verify().orphans_removed == []  # default grace period: young files are kept
-    assert orphan.exists()
+def test_recent_staged_blobs_are_left_for_their_writer(bank):
+    staged = bank.root / BLOB_DIR / f".{blob_key('cafe', 'tensors')}.part"
+    staged.write_bytes(b"maybe being committed by another process")
+    report = bank.verify()
+    assert report.orphans_removed == [] and report.ok  # default grace period: young staged blobs are kept
+    assert staged.exists()
 
 
 def test_corruption_detected_mid_session_recovers(bank, caplog, monkeypatch):
@@ -409,7 +460,7 @@ def test_corruption_detected_mid_session_recovers(bank, caplog, monkeypatch):
     from carnator.cache.metadb import MetaDB
 
     entry_id = _admit(bank, [1, 0])
-    real = MetaDB.checksum
+    real = MetaDB.layout
     calls = []
 
     def broken(self, *args):
@@ -420,7 +471,7 @@ def test_corruption_detected_mid_session_recovers(bank, caplog, monkeypatch):
             raise exc
         return real(self, *args)
 
-    monkeypatch.setattr(MetaDB, "checksum", broken)
+    monkeypatch.setattr(MetaDB, "layout", broken)
     with caplog.at_level(logging.WARNING, logger="carnator.cache"):
         assert bank.load(entry_id) is None  # a miss on the fresh database, not an exception
     assert "corrupt" in caplog.text and len(calls) == 2
@@ -431,8 +482,8 @@ def test_corruption_detected_mid_session_recovers(bank, caplog, monkeypatch):
 
 def test_bad_extra_is_rejected_before_writing(bank):
     with pytest.raises(TypeError):
-        bank.admit(tenant="t", compat_key="k", prompt="p", embedding=[1, 0], tensors={}, extra={"x": object()})
-    assert list((bank.root / TENSOR_DIR).iterdir()) == [] and len(bank) == 0
+        bank.admit(_spec([1, 0], tensors={}, extra={"x": object()}))
+    assert list((bank.root / BLOB_DIR).iterdir()) == [] and len(bank) == 0
 
 
 @pytest.mark.parametrize("keep", [100, "half"])
@@ -454,7 +505,11 @@ def test_truncated_database_starts_fresh(tmp_path, caplog, keep):
         new = _admit(b, [1, 0])
         assert [m.id for m, _ in b.recall("t", "k", [1, 0])] == [new]
         assert b.load(new) is not None
-        assert len(b.verify(orphan_grace_s=0).orphans_removed) == 60  # the lost entries' files
+        report = b.verify(orphan_grace_s=0)
+        assert len(report.lost) == 60 and not report.ok  # the lost entries: blobs without rows
+        (line,) = report.recoveries
+        assert "database was corrupt" in line and "60 with blobs on disk" in line
+        assert b.verify().ok  # reported once
     with CacheBank(tmp_path) as again:
         assert [e.id for e in again.entries()] == [new]
 
@@ -495,7 +550,7 @@ _CHILD = textwrap.dedent(
     """
     import sys, time
     import numpy as np, torch
-    from carnator.cache import CacheBank, _faults
+    from carnator.cache import CacheBank, StoreSpec, _faults
 
     root, point, marker = sys.argv[1:4]
 
@@ -506,8 +561,8 @@ _CHILD = textwrap.dedent(
 
     _faults.fault_point = hang
     bank = CacheBank(root)
-    entry = bank.admit(tenant="t", compat_key="k", prompt="child", embedding=np.ones(2, np.float32),
-                       tensors={"x": torch.full((256,), 7.0)})
+    entry = bank.admit(StoreSpec(tenant="t", compat_key="k", prompt="child", embedding=np.ones(2, np.float32),
+                                 tensors={"x": torch.full((256,), 7.0)}, video=np.full((2, 4, 4, 3), 9, np.uint8)))
     print(entry)
     """
 )
@@ -519,36 +574,61 @@ def _run_child(root: Path, point: str, marker: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def _kill_child_at(root: Path, point: str, tmp_path: Path) -> None:
+    marker = tmp_path / f"reached-{point}"
+    child = _run_child(root, point, marker)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert child.poll() is None, child.stderr.read().decode()
+        assert time.monotonic() < deadline, "child never reached the fault point"
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["tensor_written", "tensor_replaced", "before_commit"])
-def test_sigkill_mid_admission_leaves_no_partial_entry(tmp_path, point):
+@pytest.mark.parametrize("point", POINTS[: POINTS.index("before_commit") + 1])
+def test_sigkill_before_commit_leaves_no_partial_entry(tmp_path, point):
     root = tmp_path / "bank"
     with CacheBank(root) as b:
         good = _admit(b, [1, 0])
         assert len(b.recall("t", "k", [1, 0])) == 1  # this instance has a built index
-        marker = tmp_path / "reached"
-        child = _run_child(root, point, marker)
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert child.poll() is None, child.stderr.read().decode()
-            assert time.monotonic() < deadline, "child never reached the fault point"
-            time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
-        assert child.returncode == -signal.SIGKILL
+        _kill_child_at(root, point, tmp_path)
         # The already-open bank and a freshly opened one both see only the good entry.
         assert [e.id for e in b.entries()] == [good]
         assert [m.id for m, _ in b.recall("t", "k", [1, 0])] == [good]
     with CacheBank(root) as b:
         assert [e.id for e in b.entries()] == [good]
         assert [m.id for m, _ in b.recall("t", "k", [1, 0])] == [good]
-        leftovers = {p.name for p in (root / TENSOR_DIR).iterdir()} - {f"{good}.safetensors"}
-        assert len(leftovers) == 1  # the dead child's temp or tensor file...
-        assert b.verify(orphan_grace_s=0).orphans_removed == sorted(leftovers)  # ...cleaned by verify
-        assert b.verify().ok
+        leftovers = {p.name for p in (root / BLOB_DIR).iterdir()} - {blob_key(good, "tensors")}
+        assert leftovers and all(n.endswith(".part") for n in leftovers)  # the dead child's staged blobs...
+        report = b.verify(orphan_grace_s=0)
+        assert report.orphans_removed == sorted(leftovers) and report.ok  # ...cleaned by verify: nothing was lost
         new = _admit(b, [0, 1])
         assert torch.equal(b.load(new)["x"], torch.arange(16, dtype=torch.float32))
         assert torch.equal(b.load(good)["x"], torch.arange(16, dtype=torch.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", POINTS[POINTS.index("before_commit") + 1 :])
+def test_sigkill_after_commit_keeps_the_whole_entry(tmp_path, point):
+    """Killed once its row committed: the entry is whole; blobs the child never published are published by the next
+    reader (or verify), never lost or served partial."""
+    root = tmp_path / "bank"
+    with CacheBank(root) as b:
+        good = _admit(b, [1, 0])
+        _kill_child_at(root, point, tmp_path)
+        (child,) = [e for e in b.entries() if e.id != good]
+        assert child.has_video and child.tensor_names == ("video", "x")
+        staged = sorted(p.name for p in (root / BLOB_DIR).iterdir() if p.name.endswith(".part"))
+        assert len(staged) == (2 if point == "after_commit" else 0)
+        assert torch.equal(b.load(child.id, [VIDEO])[VIDEO], torch.full((2, 4, 4, 3), 9, dtype=torch.uint8))
+        assert torch.equal(b.load(child.id)["x"], torch.full((256,), 7.0))
+        report = b.verify(orphan_grace_s=0)
+        assert report.ok and report.checked == 2 and report.orphans_removed == []
+        assert sorted(p.name for p in (root / BLOB_DIR).iterdir()) == sorted(
+            [blob_key(good, "tensors"), blob_key(child.id, "tensors"), blob_key(child.id, "video")])
 
 
 @pytest.mark.slow
@@ -591,6 +671,21 @@ def test_compat_key_is_canonical():
                             settings)
 
 
+def test_compat_key_extra_names_embedder_and_reading():
+    """``extra`` (embedder identity, the policy's reading) is folded into the hash canonically; no extra (None or
+    {}) gives the key as before, so existing keys stay valid."""
+    settings = {"num_inference_steps": 50, "guidance_scale": 5.0}
+    base = compat_key("m", "S", settings)
+    assert compat_key("m", "S", settings, extra=None) == base == compat_key("m", "S", settings, extra={})
+    a = compat_key("m", "S", settings, extra={"embedder": "minilm@1", "reading": {"probe_steps": 4, "modifiers": 1.0}})
+    assert a != base and len(a) == 64
+    assert a == compat_key("m", "S", settings, extra={"reading": {"modifiers": 1, "probe_steps": 4}, "embedder": "minilm@1"})
+    assert a != compat_key("m", "S", settings, extra={"embedder": "hashed-64", "reading": {"probe_steps": 4, "modifiers": 1}})
+    assert a != compat_key("m", "S", settings, extra={"embedder": "minilm@1", "reading": {"probe_steps": 5, "modifiers": 1}})
+    with pytest.raises(TypeError):
+        compat_key("m", "S", settings, extra=["embedder"])
+
+
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("CARNATOR_CACHE_DIR", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -625,12 +720,12 @@ def test_opening_waits_for_another_process_to_release_a_fresh_database(tmp_path)
     holder = _fresh_db_held_by_a_reader(tmp_path / "a")
     threading.Timer(0.3, lambda: holder.execute("COMMIT")).start()
     t0 = time.monotonic()
-    with CacheBank(tmp_path / "a", embed_dim=4, busy_timeout_s=10.0) as b:
+    with CacheBank(tmp_path / "a", busy_timeout_s=10.0) as b:
         assert time.monotonic() - t0 >= 0.25  # it did wait for the holder
         assert b._db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     holder.close()
 
     holder = _fresh_db_held_by_a_reader(tmp_path / "b")
     with pytest.raises(CacheError, match="cannot use WAL mode"):
-        CacheBank(tmp_path / "b", embed_dim=4, busy_timeout_s=0.2)
+        CacheBank(tmp_path / "b", busy_timeout_s=0.2)
     holder.close()

@@ -262,19 +262,24 @@ def test_cache_ls_stats_verify_clear(capsys, model_dir, tmp_path, cache):
     assert code == 0
     assert "entries: 2" in out and "tenant alice: 1 entries" in out and "tenant bob: 1 entries" in out
     assert "BankStats(" not in out  # readable, not a dataclass repr
-    total = sum(f.stat().st_size for f in (cache / "tensors").glob("*.safetensors"))
-    assert f"bytes: {total}" in out
+    total = sum(f.stat().st_size for f in (cache / "blobs").glob("*.safetensors"))
+    assert f"bytes: {total}" in out and "capacity: unbounded" in out and "eviction: lru" in out
+    code, out, _ = run(capsys, "cache", "stats", "--cache-dir", cache, "--tenant", "bob")
+    assert "entries: 1" in out and "tenant bob: 1 entries" in out and "alice" not in out  # no other tenant's name
 
     code, out, _ = run(capsys, "cache", "verify", "--cache-dir", cache)
     assert code == 0 and "checked: 2" in out and "quarantined: 0" in out and out.strip().endswith("ok")
 
-    path = cache / "tensors" / f"{a}.safetensors"
+    path = cache / "blobs" / f"{a}.tensors.safetensors"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "cache", "verify", "--cache-dir", cache, "--tenant", "bob")
+    assert code == 0 and "checked: 1" in out and "(tenant bob)" in out  # alice's entry is not bob's to check
     code, out, err = run(capsys, "cache", "verify", "--cache-dir", cache)
-    assert code == 0
-    assert "checked: 1" in out and "quarantined: 1" in out and f"quarantined: {a}" in out and out.strip().endswith("repaired")
+    assert code == 1  # a problem was found
+    assert "checked: 1" in out and "quarantined: 1" in out and f"corrupt: entry {a}" in out
+    assert out.strip().endswith("1 problem(s) found; repaired")
     assert "Traceback" not in err
 
     code, out, _ = run(capsys, "cache", "clear", "--cache-dir", cache, "--tenant", "alice")
@@ -283,7 +288,7 @@ def test_cache_ls_stats_verify_clear(capsys, model_dir, tmp_path, cache):
     assert "cleared 1 entries" in out
     code, out, _ = run(capsys, "cache", "ls", "--cache-dir", cache)
     assert out.startswith("0 entries")
-    assert not list((cache / "tensors").glob("*.safetensors"))
+    assert not list((cache / "blobs").glob("*.safetensors"))
 
 
 def test_cache_dir_from_environment(capsys, model_dir, tmp_path, monkeypatch):

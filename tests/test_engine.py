@@ -188,13 +188,14 @@ def test_entry_stores_whole_trajectory(engine, ref_pipe):
 # ---- a damaged cache is a miss, never a crash ---------------------------------------------------
 
 
-def _tensor_file(engine, entry_id):
-    return engine.bank.root / "tensors" / f"{entry_id}.safetensors"
+def _blob(engine, entry_id, kind="video"):
+    """An entry's blob: an exact hit reads its video blob alone, reuse its tensors blob."""
+    return engine.bank.root / "blobs" / f"{entry_id}.{kind}.safetensors"
 
 
 def test_corrupt_exact_hit_entry_is_recomputed(engine, caplog):
     first = gen(engine)
-    path = _tensor_file(engine, first.stats.entry_id)
+    path = _blob(engine, first.stats.entry_id)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -211,15 +212,15 @@ def test_corrupt_exact_hit_entry_is_recomputed(engine, caplog):
 
 def test_missing_exact_hit_file_is_recomputed(engine):
     first = gen(engine)
-    _tensor_file(engine, first.stats.entry_id).unlink()
+    _blob(engine, first.stats.entry_id).unlink()
     again = gen(engine)
     assert not again.stats.exact_hit
     np.testing.assert_array_equal(again.frames, first.frames)
 
 
 def test_failed_admission_still_returns_the_video(engine, caplog):
-    """The cache's tensor directory turns into a file (disk trouble): the result is returned, not stored."""
-    tensors = engine.bank.root / "tensors"
+    """The cache's blob directory turns into a file (disk trouble): the result is returned, not stored."""
+    tensors = engine.bank.root / "blobs"
     for f in tensors.iterdir():
         f.unlink()
     tensors.rmdir()
@@ -232,7 +233,7 @@ def test_failed_admission_still_returns_the_video(engine, caplog):
 
 
 def test_admission_oserror_is_not_fatal(engine, monkeypatch):
-    def boom(**_):
+    def boom(*_, **__):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(engine.bank, "admit", boom)
@@ -378,7 +379,7 @@ def test_cache_dir_env_is_honoured(pipe, tmp_path, monkeypatch):
     eng = Carnator(pipe, embedder=fake_embedder())
     assert eng.bank.root == target
     res = gen(eng)
-    assert (target / "tensors" / f"{res.stats.entry_id}.safetensors").exists()
+    assert (target / "blobs" / f"{res.stats.entry_id}.video.safetensors").exists()
     assert CacheBank(target).get(res.stats.entry_id) is not None
 
 
@@ -393,7 +394,6 @@ def test_default_embedder_is_minilm(pipe, tmp_path):
     eng = Carnator(pipe, tmp_path)
     res = gen(eng)
     assert res.stats.entry_id is not None
-    assert eng.bank.embed_dim == 384
     meta = eng.bank.get(res.stats.entry_id)
     assert meta.embedding.shape == (384,)
     # semantically close prompts are closer than unrelated ones

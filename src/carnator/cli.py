@@ -20,9 +20,42 @@ def _add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="embedded", help='"embedded" (default) or a local diffusers pipeline directory')
     p.add_argument("--cache-dir", default=None, help="cache directory (default: $CARNATOR_CACHE_DIR or ~/.cache/carnator)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--capacity", default=None, metavar="SIZE",
+                   help="bound the cache to SIZE (e.g. 40MB, 2GiB, 500000 bytes) before generating: stored in the cache, "
+                        "so later runs keep it (see `carnator cache config`)")
     p.add_argument("--option", action="append", default=[], metavar="POLICY.FIELD=VALUE",
                    help="set one field of a policy's config, e.g. carnator.modifiers=1 or carnator.region='{\"high\": 0.4}' "
                         "(VALUE is JSON, else a string; repeatable; fields: docs/METHOD.md)")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+               "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(text: str, flag: str = "--capacity") -> int | None:
+    """A size like ``40MB`` (decimal), ``2GiB`` (binary), ``500000`` (bytes) or ``none`` (None: unbounded) in bytes;
+    CarnatorError naming ``flag`` otherwise."""
+    import re
+
+    t = str(text).strip().lower()
+    if t in ("none", "unbounded"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", t)
+    if m is None or m.group(2) not in _SIZE_UNITS:
+        raise CarnatorError(f"{flag}: expected a size like 40MB, 2GiB, 500000 or none, got {text!r}")
+    n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    if n <= 0:
+        raise CarnatorError(f"{flag}: a cache capacity must be more than 0 bytes, got {text!r}")
+    return n
+
+
+def _size_words(n: int | None) -> str:
+    if n is None:
+        return "unbounded"
+    for unit, k in (("GB", 1000**3), ("MB", 1000**2), ("kB", 1000)):
+        if n >= k:
+            return f"{n} B ({n / k:.1f} {unit})"
+    return f"{n} B"
 
 
 def _policy_options(items: list[str]) -> dict[str, dict]:
@@ -82,7 +115,12 @@ def _engine(args):
         from .intra_cache import IntraCacheSpec
 
         IntraCacheSpec.parse(intra)  # a bad kind or option fails before the model loads
-    config = EngineConfig(intra_cache=intra, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
+    capacity = None
+    if getattr(args, "capacity", None) is not None:
+        capacity = parse_size(args.capacity)
+        if capacity is None:
+            raise CarnatorError("--capacity none: generating only sets a bound; lift it with `carnator cache config --capacity none`")
+    config = EngineConfig(intra_cache=intra, capacity_bytes=capacity, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
                           cuda_graphs=getattr(args, "cuda_graphs", False), policy_options=_policy_options(getattr(args, "option", [])))
     return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device, config=config)
 
@@ -378,6 +416,9 @@ def _bank(args):
 
 
 def cmd_cache(args) -> int:
+    if args.action != "config" and (args.capacity is not None or args.eviction is not None):
+        raise CarnatorError("--capacity and --eviction go with `carnator cache config`")
+    capacity = parse_size(args.capacity) if args.capacity is not None else None
     with _bank(args) as bank:
         if args.action == "ls":
             rows = bank.entries(tenant=args.tenant)
@@ -386,20 +427,36 @@ def cmd_cache(args) -> int:
                 print(f"{e.id}  {e.tenant:<10} {e.nbytes:>10d} B  uses={e.use_count:<3d} seed={seed!s:<6} {e.prompt[:60]!r}")
             print(f"{len(rows)} entries in {bank.root}")
         elif args.action == "stats":
-            st = bank.stats()
-            cap = "unbounded" if st.capacity_bytes is None else f"{st.capacity_bytes} B"
-            print(f"cache: {bank.root}")
-            print(f"entries: {st.count}  bytes: {st.bytes}  capacity: {cap}")
+            st = bank.stats(args.tenant)
+            print(f"cache: {bank.root}" + (f" (tenant {args.tenant})" if args.tenant else ""))
+            print(f"entries: {st.count}  bytes: {st.bytes}  capacity: {_size_words(st.capacity_bytes)}  eviction: {st.eviction}")
             for tenant, ts in sorted(st.tenants.items()):
                 print(f"  tenant {tenant}: {ts.count} entries, {ts.bytes} B")
         elif args.action == "verify":
-            rep = bank.verify()
+            rep = bank.verify(tenant=args.tenant)
+            notes = (f" (tenant {args.tenant})" if args.tenant else "") + (" (read-only: nothing repaired)" if rep.read_only else "")
+            print(f"cache: {bank.root}{notes}")
+            print(f"checked: {rep.checked}  quarantined: {len(rep.quarantined)}  missing: {len(rep.missing)}  lost: {len(rep.lost)}  "
+                  f"recoveries: {len(rep.recoveries)}  orphans removed: {len(rep.orphans_removed)}")
+            for line in rep.problems:
+                print(f"  {line}")
+            if rep.ok:
+                print("ok")
+            else:
+                print(f"{len(rep.problems)} problem(s) found" + ("; read-only: nothing repaired" if rep.read_only else "; repaired"))
+                return 1
+        elif args.action == "config":
+            if args.capacity is None and args.eviction is None:
+                st = bank.stats()
+                settings = (st.capacity_bytes, st.eviction)
+            else:
+                kw = {"eviction": args.eviction}
+                if args.capacity is not None:
+                    kw["capacity_bytes"] = capacity
+                new = bank.configure(**kw)
+                settings = (new.capacity_bytes, new.eviction)
             print(f"cache: {bank.root}")
-            print(f"checked: {rep.checked}  quarantined: {len(rep.quarantined)}  missing: {len(rep.missing)}  orphans removed: {len(rep.orphans_removed)}")
-            for label, ids in (("quarantined", rep.quarantined), ("missing", rep.missing), ("orphan removed", rep.orphans_removed)):
-                for i in ids:
-                    print(f"  {label}: {i}")
-            print("ok" if rep.ok else "repaired")
+            print(f"capacity: {_size_words(settings[0])}  eviction: {settings[1]}")
         elif args.action == "clear":
             n = bank.clear(tenant=args.tenant)
             print(f"cleared {n} entries" + (f" of tenant {args.tenant}" if args.tenant else ""))
@@ -539,10 +596,17 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--out", default="carnator-bench-scale")
     z.set_defaults(func=cmd_bench_scale)
 
-    c = sub.add_parser("cache", help="inspect or manage the cache")
-    c.add_argument("action", choices=["ls", "stats", "verify", "clear"])
+    from .cache import eviction_policies
+
+    c = sub.add_parser("cache", help="inspect or manage the cache",
+                       description="ls: list entries; stats: counts, bytes and settings; verify: check every entry "
+                                   "(exit status 1 when anything was corrupt, missing or lost); clear: delete entries; "
+                                   "config: show or set the cache's capacity and eviction policy (stored in the cache)")
+    c.add_argument("action", choices=["ls", "stats", "verify", "clear", "config"])
     c.add_argument("--cache-dir", default=None)
-    c.add_argument("--tenant", default=None)
+    c.add_argument("--tenant", default=None, help="only this tenant's entries (ls, stats, verify, clear)")
+    c.add_argument("--capacity", default=None, metavar="SIZE", help="config: e.g. 40MB, 2GiB, 500000 (bytes) or none (unbounded)")
+    c.add_argument("--eviction", default=None, choices=eviction_policies(), help="config: which entries go first when full")
     c.set_defaults(func=cmd_cache)
     return ap
 

@@ -16,6 +16,7 @@ import torch
 
 from . import denoise
 from .backbones.base import BackboneAdapter, Conditioning, adapter_for
+from .cache.protocol import VIDEO, StoreSpec
 from .errors import CacheError, InvalidRequestError, ModelLoadError
 from .policies import Plan, Policy, get_policy_class, policy_names
 from .request import Request, Result, Stats, to_uint8
@@ -35,7 +36,8 @@ class EngineConfig:
         list of step indices). Reuse needs the latents at the steps policies resume from.
     latent_dtype: dtype of stored latents (float16 halves the bytes; float32 keeps them exact).
     store_video: keep the decoded video with the entry, so an identical request is an exact hit.
-    capacity_bytes: cache capacity (None = unbounded); eviction: "lru" or "lcbfu".
+    capacity_bytes, eviction: when set, stored as the cache's own capacity (bytes) and eviction policy ("lru",
+        "lcbfu") with ``CacheBank.configure`` when the engine opens it; None (default) keeps what the cache has.
     intra_cache: one of diffusers' per-request caches applied to the transformer under every policy
         (None = off): a kind name, "KIND:opt=value,...", or {"kind": KIND, opt: value}; kinds first_block,
         pab, faster, taylorseer, mag (see :mod:`carnator.intra_cache` and docs/METHOD.md).
@@ -48,7 +50,7 @@ class EngineConfig:
     latent_dtype: str = "float32"
     store_video: bool = True
     capacity_bytes: int | None = None
-    eviction: str = "lru"
+    eviction: str | None = None
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     intra_cache: str | dict[str, Any] | None = None
     cuda_graphs: bool = False
@@ -90,14 +92,7 @@ class RequestContext:
 
     def embedding(self) -> np.ndarray:
         if self._embedding is None:
-            emb = self.engine.embedder(self.request.prompt)
-            dim = self.bank.embed_dim
-            if dim is not None and emb.size != dim:
-                raise CacheError(
-                    f"cache at {self.bank.root} holds {dim}-d recall embeddings but this embedder "
-                    f"({getattr(self.engine.embedder, 'name', '?')}) makes {emb.size}-d ones; use another cache directory"
-                )
-            self._embedding = emb
+            self._embedding = self.engine.embedder(self.request.prompt)  # the bank checks its size against the scope's
         return self._embedding
 
     def recall(self, k: int) -> list:
@@ -253,7 +248,7 @@ class Carnator:
         if hit is not None and hit.extra.get("approximate") and not pol.accepts_approximate_exact:
             hit = None
         if hit is not None:
-            tensors = self.bank.load(hit.id, ["video"])
+            tensors = self.bank.load(hit.id, [VIDEO])
             if tensors is not None:
                 self.bank.touch(hit.id)
                 stats.hit = stats.exact_hit = True
@@ -261,7 +256,7 @@ class Carnator:
                 stats.resume_step = req.num_inference_steps
                 timings["exact_lookup"] = time.perf_counter() - t0
                 timings["total"] = time.perf_counter() - t_start
-                frames = tensors["video"].numpy()
+                frames = tensors[VIDEO].numpy()
                 return Result(frames=frames, stats=stats, request=req)
         timings["exact_lookup"] = time.perf_counter() - t0
 
@@ -322,17 +317,16 @@ class Carnator:
         dtype = getattr(torch, self.config.latent_dtype)
         tensors: dict[str, torch.Tensor] = {f"traj.{i}": z.to(dtype) for i, z in state.trajectory.items()}
         tensors["final"] = state.latents.detach().to("cpu", dtype)
-        if self.config.store_video:
-            tensors["video"] = torch.from_numpy(np.ascontiguousarray(frames))
         tensors.update(plan.entry_tensors)
         # "approximate": the video came from reuse, not from every step of this request's own trajectory.
         extra = {"steps": req.num_inference_steps, "approximate": bool(plan.hit), **plan.entry_extra}
         try:
-            return self.bank.admit(
+            return self.bank.admit(StoreSpec(
                 tenant=req.tenant, compat_key=ctx.compat_key, exact_key=exact_key if self.config.store_video else None,
                 prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed,
                 steps_saved=float(req.num_inference_steps), embedding=ctx.embedding(), tensors=tensors, extra=extra,
-            )
+                video=np.ascontiguousarray(frames) if self.config.store_video else None,
+            ))
         except (CacheError, OSError) as e:  # unwritable or full disk, locked database, another embedder's cache
             log.warning("could not store the result in the cache: %s", _first_line(e))
             stats.notes["store_error"] = _first_line(e)
@@ -362,9 +356,13 @@ def _open_bank(cache_dir, config: EngineConfig):
     from .cache import CacheBank, default_cache_dir
 
     if isinstance(cache_dir, CacheBank):
-        return cache_dir
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return CacheBank(root, capacity_bytes=config.capacity_bytes, eviction=config.eviction)
+        bank = cache_dir
+    else:
+        bank = CacheBank(Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    settings = {k: v for k, v in (("capacity_bytes", config.capacity_bytes), ("eviction", config.eviction)) if v is not None}
+    if settings:
+        bank.configure(**settings)  # the cache's own settings, for every process that opens it
+    return bank
 
 
 def _check_device(device: str) -> None:

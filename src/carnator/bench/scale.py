@@ -578,7 +578,7 @@ def run_scale(cfg: ScaleConfig, out: Path, progress: Callable[[str], None] = pri
 
 def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progress: Callable[[str], None]) -> dict:
     from .. import Carnator, EngineConfig
-    from ..cache import CacheBank
+    from ..cache import CacheBank, StoreSpec
     from ..policies.carnator import EVIDENCE_PREFIX, MASK_PREFIX
     from ..signature import early_signature
     from ..signature.nouns import extract_nouns
@@ -661,11 +661,11 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     for d in cfg.densities:
         masks = synthetic_masks(heads, n_tok, cfg.block, d, steps=range(0, steps, cfg.mask_stride), layers=range(L), seed=2, device=dev)
         if prev is not None:
-            eng.bank.remove(prev)
-        prev = eng.bank.admit(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
-                              embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps),
-                              tensors={**traj, **masks.to_tensors(MASK_PREFIX), **ev},
-                              extra={"steps": steps, "nouns": nouns_src, "signature": sig.to_dict()})
+            eng.bank.evict([prev])
+        prev = eng.bank.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
+                                        embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps),
+                                        tensors={**traj, **masks.to_tensors(MASK_PREFIX), **ev},
+                                        extra={"steps": steps, "nouns": nouns_src, "signature": sig.to_dict()}))
         meta = eng.bank.get(prev)
         cold = _drop_page_cache()
         t1 = time.perf_counter()
@@ -686,17 +686,17 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     d0 = cfg.densities[0]
     rows = {}
     if baselines:  # the baselines' gate would recall the dense request's own entry (all its latents, no masks)
-        eng.bank.remove(dense.stats.entry_id)
+        eng.bank.evict([dense.stats.entry_id])
     for b, pol in baselines.items():
         tensors = {f"traj.{i}": base[f"traj.{i}"] for i in base_steps[b]}
         if b == "chorus2":
             masks = synthetic_masks(heads, n_tok, cfg.block, d0, steps=range(0, steps, cfg.mask_stride), layers=range(L), seed=2, device=dev)
             tensors.update(masks.to_tensors(MASK_PREFIX))
         if prev is not None:
-            eng.bank.remove(prev)
-        prev = eng.bank.admit(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
-                              embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps), tensors=tensors,
-                              extra={"steps": steps, "nouns": nouns_src})
+            eng.bank.evict([prev])
+        prev = eng.bank.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
+                                        embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps), tensors=tensors,
+                                        extra={"steps": steps, "nouns": nouns_src}))
         meta = eng.bank.get(prev)
         peak_reset()
         hit = eng.generate(PROMPT_TARGET, seed=0, policy=pol.name, store=False, **kw)
@@ -733,7 +733,7 @@ def _composed(cfg, pipe, req, kw, *, traj_keys, ev, sig, nouns, dense_e2e, dense
               peak_reset, peak, progress) -> dict:
     """Dense and a replayed hit with ``cfg.intra_cache`` on (its own engine and cache keys)."""
     from .. import Carnator, EngineConfig
-    from ..cache import CacheBank
+    from ..cache import CacheBank, StoreSpec
     from ..policies.carnator import MASK_PREFIX
     from ..testing import hashed_embedder
 
@@ -752,10 +752,10 @@ def _composed(cfg, pipe, req, kw, *, traj_keys, ev, sig, nouns, dense_e2e, dense
     d0 = cfg.densities[0]
     masks = synthetic_masks(heads, n_tok, cfg.block, d0, steps=range(0, steps, cfg.mask_stride), layers=range(layers), seed=2,
                             device=next(pipe.transformer.parameters()).device)
-    eid = eng.bank.admit(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
-                         embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps),
-                         tensors={**{k: base[k] for k in traj_keys}, **masks.to_tensors(MASK_PREFIX), **ev},
-                         extra={"steps": steps, "nouns": nouns, "signature": sig.to_dict()})
+    eid = eng.bank.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
+                                   embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps),
+                                   tensors={**{k: base[k] for k in traj_keys}, **masks.to_tensors(MASK_PREFIX), **ev},
+                                   extra={"steps": steps, "nouns": nouns, "signature": sig.to_dict()}))
     assert eid is not None
     peak_reset()
     hit = eng.generate(PROMPT_TARGET, seed=0, policy="carnator-replay", store=False, **kw)

@@ -1,33 +1,45 @@
-"""The persistent cache bank: metadata in SQLite, tensors in checksummed files, recall by cosine.
+"""The persistent cache bank: metadata in SQLite, tensors and video in checksummed blobs, recall by cosine.
 
-Layout of a bank directory::
+Layout of a bank directory (format 2)::
 
-    VERSION                    format marker ("carnator-cache 1")
-    bank.sqlite (+ -wal, -shm) metadata, embeddings (SQLite, WAL mode)
-    tensors/<id>.safetensors   one immutable file per entry
-    quarantine/                corrupt tensor files and broken databases, kept for inspection
+    VERSION                              format marker ("carnator-cache 2"), written once the database exists
+    bank.sqlite (+ -wal, -shm)           metadata, per-tensor checksums, settings, leases (SQLite, WAL mode)
+    blobs/<id>.tensors.safetensors       an entry's tensors (trajectory, masks, ...); immutable
+    blobs/<id>.video.safetensors         its decoded video, apart, so an exact hit reads only the video
+    blobs/.<key>.part                    a blob staged by an admission that has not published it (yet)
+    quarantine/                          corrupt blobs and broken databases, kept for inspection
+    RECOVERY.jsonl                       every loss of the database (recovered, recreated), which outlives it
 
-Invariants: a row exists only for a complete, fsynced tensor file (files are written first, rows
-inserted after); rows are removed before their files. A crash therefore leaves at worst an orphan
-file, which is deleted later. Every read checks the file's sha256 against its row, and a mismatch
-is quarantined and reported as a miss; corrupt data is never returned.
+Invariants: an admission stages (writes and fsyncs) its blobs, commits the row that makes them an entry, then
+publishes them under their names; rows are removed (and the removal logged) before their blobs. So a crash leaves
+at worst a staged blob without a row (an admission that never committed, removed after a grace period) or a row
+whose blob is still staged (published by the next reader). A *published* blob without a row, whose removal was not
+logged, means the database lost the row: ``verify`` reports it as lost. Every tensor read is checked against the
+sha256 recorded for that tensor; a mismatch, or a blob that cannot be read, is quarantined and reads as a miss.
+Corrupt data is never returned.
 
-Several processes (and threads) may use one directory at a time. All shared state lives in
-SQLite; each process's in-memory vector indices re-check SQLite's counters before every search.
+Several processes (and threads) may use one directory at a time. All shared state lives in SQLite; each process's
+in-memory vector indices re-check SQLite's counters before every search. A directory that cannot be written (or whose
+write permission bits are all off) opens read-only: it serves lookups, loads and recall, stores nothing and repairs
+nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
 import logging
 import math
 import os
+import socket
 import sqlite3
+import stat
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,26 +50,39 @@ import torch
 
 from ..errors import CacheError, CorruptEntryError
 from . import _faults
-from .entry import BankStats, EntryMeta, TenantStats, VerifyReport
+from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import EvictionPolicy, get_eviction
 from .index import ScopeIndex, resolve_backend
-from .metadb import FORMAT_VERSION, MetaDB, SyncState, dump_extra, is_corruption
-from .store import TensorStore, deserialize_tensors, serialize_tensors, sha256
+from .journal import JOURNAL_FILE, RecoveryJournal
+from .metadb import FORMAT_VERSION, Lease, MetaDB, SyncState, count_entries, dump_extra, is_corruption
+from .protocol import StoreSpec
+from .store import TENSORS_BLOB, VIDEO_BLOB, LocalBlobStore, blob_key, check_blobs, pack_tensors, read_tensors, sha256
 
 log = logging.getLogger("carnator.cache")
 
 VERSION_FILE = "VERSION"
 DB_FILE = "bank.sqlite"
-TENSOR_DIR = "tensors"
+BLOB_DIR = "blobs"
 QUARANTINE_DIR = "quarantine"
 _MARKER_NAME = "carnator-cache"
+#: How long :meth:`CacheBank.touch` waits for another writer's lock before giving up (it is only bookkeeping).
+TOUCH_BUSY_S = 2.0
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: ``configure``'s default: leave the setting as stored.
+UNSET: Any = _Unset()
+
+
 def _guarded(method: Callable[Concatenate[CacheBank, P], R]) -> Callable[Concatenate[CacheBank, P], R]:
-    """Run a public method under the bank's lock, recovering once from a corrupt database.
+    """Run a method under the bank's lock, recovering once from a corrupt database.
 
     If SQLite reports corruption mid-call, the database is quarantined, an empty one is started and
     the call is retried against it (so a read becomes a miss and a write lands in the fresh bank).
@@ -71,7 +96,7 @@ def _guarded(method: Callable[Concatenate[CacheBank, P], R]) -> Callable[Concate
                 self._ensure_connection()
                 try:
                     return method(self, *args, **kwargs)
-                except sqlite3.DatabaseError as exc:
+                except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
                     if not is_corruption(exc):
                         raise
                     self._recover_database(exc)
@@ -85,6 +110,8 @@ def _sqlite_errors_as_cache_errors(path: Path) -> Iterator[None]:
     """Turn SQLite's environmental failures (locked, read-only, full, I/O, corrupt) into CacheError."""
     try:
         yield
+    except UnicodeDecodeError as exc:
+        raise CacheError(f"cache database {path}: damaged text ({exc.reason})") from exc
     except sqlite3.DatabaseError as exc:
         if isinstance(exc, sqlite3.OperationalError) or is_corruption(exc):
             raise CacheError(f"cache database {path}: {exc}") from exc
@@ -104,67 +131,73 @@ class _Scope:
 
 
 class CacheBank:
-    """A directory of cached entries shared by every request (and process) that opens it.
+    """A directory of cached entries shared by every request (and process) that opens it; implements
+    :class:`~carnator.cache.protocol.CacheStore`.
+
+    The store's capacity and eviction policy live in its database (:meth:`configure`; default unbounded, LRU), so
+    every process that opens the directory keeps the same bound.
 
     Args:
         root: the bank directory (created if missing).
-        capacity_bytes: total size of tensor files to keep; ``None`` for unbounded. Admissions evict
-            entries (chosen by ``eviction``) until the new entry fits. This is a property of the
-            opener, not stored on disk: processes sharing a directory should pass the same value.
-        eviction: a registered policy name (``"lru"``, ``"lcbfu"``) or an :class:`EvictionPolicy`.
-        embed_dim: expected embedding size. Recorded on first use; opening a bank recorded with
-            another size raises :class:`CacheError`. ``None`` takes it from the first admission.
+        read_only: open without writing anything. None (default): read-only when the directory (or its database
+            or blob folder) cannot be written or has every write permission bit off (``chmod -R a-w``: honoured even
+            for root, who could write anyway). A read-only bank serves :meth:`lookup_exact`, :meth:`load`,
+            :meth:`recall`, :meth:`entries`, :meth:`stats` and :meth:`verify` (which then repairs nothing);
+            :meth:`admit` returns None and :meth:`touch` False, each with one warning; :meth:`configure`,
+            :meth:`evict` and :meth:`clear` raise :class:`CacheError`.
         index_backend: ``"auto"`` (FAISS if importable), ``"faiss"`` or ``"numpy"``; results are
             identical, only speed differs.
-        orphan_grace_s: orphan files (no row) younger than this are left alone, since another process
-            may be between writing a file and inserting its row.
+        orphan_grace_s: staged blobs without a row younger than this are left alone, since another process may be
+            between staging them and committing their row.
         busy_timeout_s: how long to wait for another process's write lock.
-        clock: source of timestamps (``time.time``); tests may inject their own.
+        clock: source of entry timestamps (``time.time``); tests may inject their own.
 
     Raises:
-        CacheError: the directory cannot be created or written, was written by an incompatible
-            format version, or holds embeddings of another size.
+        CacheError: the directory cannot be created or used, was written by an incompatible format version, or is
+            read-only and holds no cache.
     """
 
     def __init__(
         self,
         root: str | os.PathLike[str],
         *,
-        capacity_bytes: int | None = None,
-        eviction: str | EvictionPolicy = "lru",
-        embed_dim: int | None = None,
+        read_only: bool | None = None,
         index_backend: str = "auto",
         orphan_grace_s: float = 600.0,
         busy_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
-            raise CacheError(f"cache capacity must be a positive number of bytes, got {capacity_bytes!r}")
-        if embed_dim is not None and (not isinstance(embed_dim, int) or embed_dim <= 0):
-            raise CacheError(f"embedding size must be a positive integer, got {embed_dim!r}")
         self.root = Path(root).expanduser()
-        self.capacity_bytes = capacity_bytes
-        self.eviction = get_eviction(eviction)
         self.orphan_grace_s = float(orphan_grace_s)
         self._clock = clock
         self._backend = resolve_backend(index_backend)
         self._lock = threading.RLock()
         self._scopes: dict[tuple[str, str], _Scope] = {}
-        self._requested_dim = embed_dim
-        self._dim: int | None = None
+        self._warned: set[str] = set()
         self._closed = False
 
-        self._prepare_directory()
-        self._check_version_marker()
-        self._files = TensorStore(self.root / TENSOR_DIR, self.root / QUARANTINE_DIR)
-        self._db = MetaDB(self.root / DB_FILE, busy_timeout_s=busy_timeout_s)
+        self.read_only = self._prepare_directory(read_only)
+        had_marker = self._check_version_marker()
+        self._blobs = LocalBlobStore(self.root / BLOB_DIR, self.root / QUARANTINE_DIR, read_only=self.read_only)
+        self._journal = RecoveryJournal(self.root / JOURNAL_FILE)
+        self._db = MetaDB(self.root / DB_FILE, busy_timeout_s=busy_timeout_s, read_only=self.read_only)
         with self._lock, _sqlite_errors_as_cache_errors(self._db.path):
             try:
-                self._open_database()
-                self._remove_orphans(self.orphan_grace_s)
+                self._open_database(had_marker)
+                if not had_marker:
+                    self._write_version_marker()
+                if not self.read_only:
+                    lost, _ = self._sweep(self.orphan_grace_s, remove_lost=False)
+                    if lost:
+                        log.warning(
+                            "%d cache entries in %s have blobs but no metadata (the database lost them); "
+                            "`carnator cache verify` reports and removes them", len(lost), self.root,
+                        )
             except BaseException:
                 self._db.close()
                 raise
+        if self.read_only:
+            log.info("cache at %s is read-only: it serves what it holds and stores nothing", self.root)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -182,193 +215,318 @@ class CacheBank:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CacheBank({str(self.root)!r}, capacity_bytes={self.capacity_bytes}, eviction={self.eviction!r})"
-
-    @property
-    def embed_dim(self) -> int | None:
-        """The bank's embedding size, or None while it is still unknown (no admissions yet)."""
-        return self._current_dim()
+        return f"CacheBank({str(self.root)!r}{', read_only=True' if self.read_only else ''})"
 
     @property
     def index_backend(self) -> str:
         return self._backend
 
-    # -- writing ---------------------------------------------------------------------------------
+    # -- settings --------------------------------------------------------------------------------
 
     @_guarded
-    def admit(
-        self,
-        *,
-        tenant: str,
-        compat_key: str,
-        prompt: str,
-        embedding: np.ndarray,
-        tensors: Mapping[str, torch.Tensor],
-        exact_key: str | None = None,
-        negative_prompt: str | None = None,
-        seed: int | None = None,
-        steps_saved: float = 0.0,
-        extra: Mapping[str, Any] | None = None,
-    ) -> str | None:
-        """Store a new entry; returns its id, or None if it cannot fit in the bank's capacity.
+    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: str | EvictionPolicy | None = None) -> CacheSettings:
+        """Store the cache's capacity (bytes; None: unbounded) and eviction policy (a registered name, or an
+        instance of a registered policy) in its database, for every process that opens it; arguments left out keep
+        their stored value. A lowered capacity evicts down to it at once. Returns the settings now in force."""
+        self._check_writable("configure")
+        if capacity_bytes is not UNSET and capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+                raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
+        name = None if eviction is None else _policy_name(eviction)
+        removed: list[tuple[str, dict[str, Any]]] = []
+        with self._db.write() as conn:
+            new = self._db.settings(conn)
+            if capacity_bytes is not UNSET:
+                new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
+            if name is not None:
+                new = dataclasses.replace(new, eviction=name)
+            self._db.set_settings(conn, new)
+            if new.capacity_bytes is not None:
+                need = self._db.total_bytes(conn) - new.capacity_bytes
+                victims, enough = self._victims(conn, need, new)
+                if not enough:
+                    log.warning("eviction policy %s could not bring the cache down to %d bytes", new.eviction, new.capacity_bytes)
+                removed = self._db.delete(conn, victims)
+        self._delete_blobs(removed)
+        if removed:
+            log.info("evicted %d entries to fit the new capacity of %d bytes", len(removed), new.capacity_bytes)
+        return new
 
-        An entry with the same ``(tenant, exact_key)`` is replaced. When over capacity, entries are
-        evicted in the eviction policy's order until the new one fits. The tensor file is durable
-        before the row that makes it visible is committed.
+    # -- writing ---------------------------------------------------------------------------------
+
+    def admit(self, spec: StoreSpec) -> str | None:
+        """Store one completed request; returns its id, or None when it cannot fit the store's capacity (larger than
+        the whole capacity, or the eviction policy freed too little) or the store is read-only: each logged as a
+        WARNING. Raises :class:`CacheError` when it cannot be written (full disk, locked database) or when its
+        embedding's size differs from its scope's (another embedder under the same compatibility key).
+
+        An entry with the same ``(tenant, exact_key)`` is replaced. When over capacity, entries are evicted in the
+        eviction policy's order until the new one fits. Blobs are durable before the row that makes them an entry is
+        committed.
         """
-        _check_scope(tenant, compat_key)
-        if not isinstance(prompt, str):
+        if not isinstance(spec, StoreSpec):
+            raise TypeError(f"admit takes a StoreSpec, not {type(spec).__name__}")
+        _check_scope(spec.tenant, spec.compat_key)
+        if not isinstance(spec.prompt, str):
             raise TypeError("prompt must be a string")
-        if not _finite(steps_saved):
-            raise ValueError(f"steps_saved must be a finite number, got {steps_saved!r}")
-        extra_dict = dict(extra or {})
-        dump_extra(extra_dict)  # fail on unserializable extras before writing anything
-        vec = self._as_embedding(embedding, establish=True)
+        if not _finite(spec.steps_saved):
+            raise ValueError(f"steps_saved must be a finite number, got {spec.steps_saved!r}")
+        if VIDEO in spec.tensors:
+            raise ValueError(f"tensor name {VIDEO!r} is reserved for the video: pass it as StoreSpec.video")
+        extra = dict(spec.extra or {})
+        dump_extra(extra)  # fail on unserializable extras before writing anything
+        vec = _as_vector(spec.embedding)
+        if self.read_only:
+            self._warn_once("admit", "cache at %s is read-only: results are not stored", self.root)
+            return None
+        self._check_dim(spec.tenant, spec.compat_key, vec.size)
         entry_id = uuid.uuid4().hex
-        data = serialize_tensors(tensors, {"carnator_cache_format": str(FORMAT_VERSION), "entry_id": entry_id})
-        nbytes = len(data)
-        if self.capacity_bytes is not None and nbytes > self.capacity_bytes:
-            log.info("not caching a %d-byte entry in a bank of capacity %d bytes", nbytes, self.capacity_bytes)
+        blobs, layout = _pack(entry_id, spec.tensors, spec.video)
+        nbytes = sum(len(b) for b in blobs.values())
+        cap = self._settings().capacity_bytes
+        if cap is not None and nbytes > cap:
+            log.warning("not caching a %d-byte entry: it is larger than the cache's whole capacity of %d bytes", nbytes, cap)
             return None
         now = self._clock()
         meta = EntryMeta(
-            id=entry_id,
-            tenant=tenant,
-            compat_key=compat_key,
-            exact_key=exact_key,
-            prompt=prompt,
-            negative_prompt=negative_prompt,
-            seed=None if seed is None else int(seed),
-            created=now,
-            last_used=now,
-            use_count=0,
-            steps_saved=float(steps_saved),
-            nbytes=nbytes,
-            embedding=vec,
-            extra=extra_dict,
-            checksum=sha256(data),
+            id=entry_id, tenant=spec.tenant, compat_key=spec.compat_key, exact_key=spec.exact_key, prompt=spec.prompt,
+            negative_prompt=spec.negative_prompt, seed=None if spec.seed is None else int(spec.seed), created=now,
+            last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
         )
         try:
-            self._files.write(entry_id, data)
-        except OSError as exc:
-            raise CacheError(f"cannot write to cache directory {self.root}: {exc.strerror or exc}") from exc
-        del data
-        committed = False
-        try:
-            with self._db.write() as conn:
-                if not self._files.path(entry_id).exists():
-                    # Orphan cleanup (which runs under the write lock) took it: we stalled past the grace period.
-                    raise CacheError(f"cache file for a new entry vanished from {self._files.directory}")
-                replaced = self._db.exact_key_ids(conn, tenant, exact_key) if exact_key is not None else []
-                removed = self._db.delete(conn, replaced)
-                victims = self._choose_victims(conn, nbytes)
-                if victims is None:
-                    raise _NoRoom
-                removed += self._db.delete(conn, victims)
-                self._db.insert(conn, meta)
-                _faults.fault_point("before_commit")
-            committed = True
-        except _NoRoom:
-            log.info("not caching a %d-byte entry: the eviction policy freed too little room", nbytes)
+            try:
+                for key, data in blobs.items():
+                    self._blobs.stage(key, data)
+            except OSError as exc:
+                raise CacheError(f"cannot write to cache directory {self.root}: {exc.strerror or exc}") from exc
+            del blobs
+            removed = self._commit(meta, layout)
+        except BaseException:
+            self._discard_staged(layout)
+            raise
+        if removed is None:
+            self._discard_staged(layout)
             return None
-        finally:
-            if not committed:
-                self._files.delete(entry_id)
-        for gone in removed:  # rows are gone for good: now their files may go too
-            self._files.delete(gone)
+        _faults.fault_point("after_commit")
+        for key in layout["blobs"]:
+            try:
+                self._blobs.publish(key)
+            except OSError as exc:  # readers publish it; nothing is lost
+                log.debug("could not publish cache blob %s: %s", key, exc)
+        _faults.fault_point("blob_published")
+        self._delete_blobs(removed)
         return entry_id
 
-    def _choose_victims(self, conn: sqlite3.Connection, nbytes: int) -> list[str] | None:
-        """Ids to evict so ``nbytes`` more fit (``[]`` if they already do, None if they cannot)."""
-        if self.capacity_bytes is None:
-            return []
-        need = self._db.total_bytes(conn) + nbytes - self.capacity_bytes
+    def _discard_staged(self, layout: dict[str, Any]) -> None:
+        for key in layout["blobs"]:
+            try:
+                self._blobs.delete(key)
+            except OSError as exc:  # an orphan: removed after the grace period
+                log.debug("could not delete staged cache blob %s: %s", key, exc)
+
+    @_guarded
+    def _commit(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]] | None:
+        """Insert the row of a staged entry (evicting for room, replacing its exact key); the removed entries, or None
+        when the eviction policy cannot make room."""
+        try:
+            return self._insert(meta, layout)
+        except _NoRoom as exc:
+            log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
+            return None
+
+    def _insert(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        with self._db.write() as conn:
+            for key in layout["blobs"]:
+                if not self._blobs.is_staged(key):
+                    # Orphan cleanup (which runs under the write lock) took it: we stalled past the grace period.
+                    raise CacheError(f"cache blob {key} of a new entry vanished from {self._blobs.directory}")
+            dim = self._db.scope_dim(meta.tenant, meta.compat_key, conn)
+            if dim is not None and dim != meta.embedding.size:
+                raise CacheError(_dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
+            settings = self._db.settings(conn)
+            replaced = self._db.exact_key_ids(conn, meta.tenant, meta.exact_key) if meta.exact_key is not None else []
+            removed = self._db.delete(conn, replaced)
+            need = self._db.total_bytes(conn) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
+            victims, enough = self._victims(conn, need, settings)
+            if not enough:
+                raise _NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
+                              f"{settings.capacity_bytes} bytes")
+            removed += self._db.delete(conn, victims)
+            self._db.insert(conn, meta, layout)
+            self._db.set_scope_dim(conn, meta.tenant, meta.compat_key, meta.embedding.size)
+            _faults.fault_point("before_commit")
+        return removed
+
+    def _victims(self, conn: sqlite3.Connection, need: int, settings: CacheSettings) -> tuple[list[str], bool]:
+        """Ids to evict to free ``need`` bytes (in the policy's order), and whether they free enough."""
         if need <= 0:
-            return []
+            return [], True
         candidates = {e.id: e for e in self._db.all(conn)}
         chosen: list[str] = []
         freed = 0
-        for victim in self.eviction.victims(list(candidates.values()), need):
+        for victim in get_eviction(settings.eviction).victims(list(candidates.values()), need):
             entry = candidates.pop(victim, None)
             if entry is None:
                 continue
             chosen.append(victim)
             freed += entry.nbytes
             if freed >= need:
-                return chosen
-        return None
+                return chosen, True
+        return chosen, False
 
-    @_guarded
     def touch(self, entry_id: str, *, steps_saved: float | None = None) -> bool:
         """Record a use: ``last_used = now``, ``use_count += 1`` (and update ``steps_saved`` if given).
 
-        Returns False if the entry no longer exists.
+        Bookkeeping never fails a request: returns False when the entry no longer exists, and also when the write
+        cannot be made (read-only store, full disk, database locked for more than :data:`TOUCH_BUSY_S`), logging a
+        WARNING the first time.
         """
-        return self._db.touch(entry_id, self._clock(), steps_saved)
+        if self.read_only:
+            self._warn_once("touch", "cache at %s is read-only: uses are not recorded", self.root)
+            return False
+        try:
+            with self._lock:
+                self._ensure_connection()
+                conn = self._db.conn
+                conn.execute(f"PRAGMA busy_timeout = {int(min(TOUCH_BUSY_S, self._db.busy_timeout_s) * 1000)}")
+                try:
+                    return self._db.touch(entry_id, self._clock(), steps_saved)
+                finally:
+                    conn.execute(f"PRAGMA busy_timeout = {int(self._db.busy_timeout_s * 1000)}")
+        except (sqlite3.Error, OSError, CacheError, UnicodeDecodeError) as exc:
+            self._warn_once("touch", "could not record a use of cache entry %s (%s); carrying on", entry_id, exc)
+            return False
 
     @_guarded
-    def remove(self, entry_id: str) -> bool:
-        """Delete one entry; returns whether it existed."""
+    def evict(self, entry_ids: Iterable[str]) -> int:
+        """Remove these entries; returns how many existed."""
+        if isinstance(entry_ids, str):
+            raise TypeError("evict takes a collection of entry ids, not one string")
+        self._check_writable("evict entries")
         with self._db.write() as conn:
-            removed = self._db.delete(conn, [entry_id])
-        for victim in removed:
-            self._files.delete(victim)
-        return bool(removed)
+            removed = self._db.delete(conn, list(entry_ids))
+        self._delete_blobs(removed)
+        return len(removed)
 
     @_guarded
     def clear(self, tenant: str | None = None) -> int:
         """Delete every entry (of ``tenant``, if given); returns how many were deleted."""
+        self._check_writable("clear")
         with self._db.write() as conn:
             removed = self._db.delete_all(conn, tenant)
-        for victim in removed:
-            self._files.delete(victim)
+        self._delete_blobs(removed)
         return len(removed)
+
+    @contextmanager
+    def single_flight(self, tenant: str, exact_key: str, timeout_s: float = 600.0) -> Iterator[bool]:
+        """Hold the right to generate the request ``exact_key`` of ``tenant`` while the block runs (across threads and
+        processes sharing the directory): a lease row in the database naming its holder (host, pid) and its expiry
+        (``timeout_s`` from now). A caller that finds the lease held waits until it is released, expires, or its
+        holder's process is gone (on this host), then takes it; the value is True when it waited (look the exact key
+        up again: the holder has probably stored it). After ``timeout_s`` of waiting it enters without the lease
+        (warning). A read-only store, or one whose database cannot be written, enters at once (value False)."""
+        if not isinstance(tenant, str) or not tenant or not isinstance(exact_key, str) or not exact_key:
+            raise ValueError("tenant and exact_key must be non-empty strings")
+        if not _finite(timeout_s) or timeout_s < 0:
+            raise ValueError(f"timeout_s must be a non-negative number, got {timeout_s!r}")
+        holder = Lease(f"{uuid.uuid4().hex[:12]}:{threading.get_ident()}", _HOST, os.getpid(), 0.0)
+        deadline = time.monotonic() + timeout_s
+        waited = held = False
+        delay = 0.01
+        if not self.read_only:
+            while True:
+                try:
+                    held = self._take_lease(tenant, exact_key, holder, timeout_s)
+                except (CacheError, OSError) as exc:
+                    self._warn_once("lease", "single-flight lease unavailable (%s); generating without it", exc)
+                    break
+                if held:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("waited %.0f s for another worker generating the same request; generating it too", timeout_s)
+                    break
+                waited = True
+                time.sleep(min(delay, left))
+                delay = min(delay * 1.5, 0.2)
+        try:
+            yield waited
+        finally:
+            if held:
+                try:
+                    self._drop_lease(tenant, exact_key, holder.holder)
+                except (CacheError, OSError) as exc:  # it expires by itself
+                    log.debug("could not release a single-flight lease: %s", exc)
+
+    @_guarded
+    def _take_lease(self, tenant: str, exact_key: str, me: Lease, ttl_s: float) -> bool:
+        with self._db.write() as conn:
+            cur = self._db.lease(conn, tenant, exact_key)
+            now = time.time()
+            if cur is not None and cur.expires > now and not (cur.host == _HOST and not _pid_alive(cur.pid)):
+                return False
+            if cur is not None:
+                log.debug("taking over the lease of %s from %s (pid %d, %s)", exact_key, cur.holder, cur.pid,
+                          "expired" if cur.expires <= now else "process gone")
+            self._db.set_lease(conn, tenant, exact_key, dataclasses.replace(me, expires=now + ttl_s))
+        return True
+
+    @_guarded
+    def _drop_lease(self, tenant: str, exact_key: str, holder: str) -> None:
+        with self._db.write() as conn:
+            self._db.drop_lease(conn, tenant, exact_key, holder)
 
     # -- reading ---------------------------------------------------------------------------------
 
-    @_guarded
     def load(self, entry_id: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor] | None:
-        """The entry's tensors (all, or only ``names``), or None if it is gone or fails its checksum.
+        """The entry's tensors (all, or only ``names``; :data:`~carnator.cache.VIDEO` for its video), or None if it is
+        gone or fails a check.
 
-        A file that fails its checksum (or cannot be parsed) is moved to ``quarantine/`` and its row
-        deleted, with a warning. Raises ``KeyError`` if ``names`` asks for tensors the entry lacks.
+        Only the named tensors' bytes are read, each checked against the sha256 recorded for it at admission. A
+        tensor that fails its check, or a blob that cannot be read (a directory, permission denied, I/O error), gets
+        the entry quarantined (its blobs moved to ``quarantine/``, its row deleted) with a warning; a blob that is
+        gone drops the entry. Raises ``KeyError`` if ``names`` asks for tensors the entry lacks
+        (:attr:`EntryMeta.tensor_names` lists them).
         """
-        checksum = self._db.checksum(entry_id)
-        if checksum is None:
+        if isinstance(names, str):
+            raise TypeError("names must be a collection of tensor names, not one string")
+        layout = self._layout(entry_id)
+        if layout is None:
             return None
-        try:
-            tensors = deserialize_tensors(self._files.read(entry_id, checksum))
-        except FileNotFoundError:
-            self._drop_missing(entry_id)
-            return None
-        except CorruptEntryError as exc:
-            self._quarantine(entry_id, str(exc))
-            return None
-        if names is None:
-            return tensors
-        wanted = list(names)
-        missing = [n for n in wanted if n not in tensors]
+        available = layout["tensors"]
+        wanted = list(available) if names is None else list(names)
+        missing = [n for n in wanted if n not in available]
         if missing:
-            raise KeyError(f"cache entry {entry_id} has no tensors named {missing}; it has {sorted(tensors)}")
-        return {n: tensors[n] for n in wanted}
+            raise KeyError(f"cache entry {entry_id} has no tensors named {missing}; it has {sorted(available)}")
+        try:
+            return read_tensors(self._blobs, layout, wanted)
+        except FileNotFoundError:
+            self._drop_missing(entry_id, layout)
+        except CorruptEntryError as exc:
+            self._quarantine(entry_id, layout, str(exc))
+        return None
 
     @_guarded
-    def recall(
-        self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10
-    ) -> list[tuple[EntryMeta, float]]:
+    def _layout(self, entry_id: str) -> dict[str, Any] | None:
+        return self._db.layout(entry_id)
+
+    @_guarded
+    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10) -> list[tuple[EntryMeta, float]]:
         """The ``k`` entries of ``(tenant, compat_key)`` most cosine-similar to ``embedding``, best first.
 
-        Ties are broken by admission order (older first). Entries of other tenants or compatibility
-        keys are never returned.
+        Ties are broken by admission order (older first). Entries of other tenants or compatibility keys are never
+        returned. Raises :class:`CacheError` when ``embedding``'s size differs from the scope's.
         """
         _check_scope(tenant, compat_key)
         if k <= 0:
             return []
-        dim = self._current_dim()
-        if dim is None:
-            return []
-        query = self._as_embedding(embedding, establish=False)
+        query = _as_vector(embedding)
         with self._db.read() as conn:
+            dim = self._db.scope_dim(tenant, compat_key, conn)
+            if dim is None:
+                return []
+            if dim != query.size:
+                raise CacheError(_dim_message(tenant, compat_key, dim, query.size))
             index = self._scope_index(conn, tenant, compat_key, dim)
             hits = index.search(query, k)
             metas = self._db.get_many(conn, [h[0] for h in hits])
@@ -392,15 +550,22 @@ class CacheBank:
         return self._db.all(tenant=tenant)
 
     @_guarded
-    def stats(self) -> BankStats:
-        """Entry count and bytes, in total and per tenant."""
-        per = {t: TenantStats(count=c, bytes=b) for t, c, b in self._db.per_tenant()}
+    def stats(self, tenant: str | None = None) -> BankStats:
+        """Entry count and bytes, in total and per tenant (only ``tenant``'s, if given), with the store's capacity
+        and eviction policy."""
+        per = {t: TenantStats(count=c, bytes=b) for t, c, b in self._db.per_tenant(tenant)}
+        settings = self._db.settings()
         return BankStats(
             count=sum(s.count for s in per.values()),
             bytes=sum(s.bytes for s in per.values()),
-            capacity_bytes=self.capacity_bytes,
+            capacity_bytes=settings.capacity_bytes,
             tenants=per,
+            eviction=settings.eviction,
         )
+
+    @_guarded
+    def _settings(self) -> CacheSettings:
+        return self._db.settings()
 
     def __len__(self) -> int:
         return self.stats().count
@@ -410,53 +575,77 @@ class CacheBank:
 
     # -- maintenance -----------------------------------------------------------------------------
 
-    @_guarded
-    def verify(self, *, orphan_grace_s: float | None = None) -> VerifyReport:
-        """Check every entry's checksum, quarantine bad files, drop rows whose file is gone, and delete
-        orphan files older than ``orphan_grace_s`` (default: the bank's ``orphan_grace_s``)."""
-        report = VerifyReport()
-        for entry_id, checksum in self._db.checksums():
+    def verify(self, *, tenant: str | None = None, orphan_grace_s: float | None = None) -> VerifyReport:
+        """Read every blob of every entry (of ``tenant``) whole and check it against its checksum; quarantine bad
+        ones, drop entries whose blob is gone. For the whole store (no ``tenant``) also report entries whose metadata
+        the database lost (their blobs are removed), database recoveries since the last verify (from the recovery
+        journal), and clean up leftovers of admissions that never committed (staged blobs older than
+        ``orphan_grace_s``, default: the bank's). A read-only bank reports without repairing anything."""
+        report = VerifyReport(read_only=self.read_only, tenant=tenant)
+        for entry_id, layout in self._layouts(tenant):
             try:
-                deserialize_tensors(self._files.read(entry_id, checksum))
+                check_blobs(self._blobs, layout)
             except FileNotFoundError:
-                if self._drop_missing(entry_id):
+                if self._drop_missing(entry_id, layout):
                     report.missing.append(entry_id)
                 continue
             except CorruptEntryError as exc:
-                if self._quarantine(entry_id, str(exc)):
+                if self._quarantine(entry_id, layout, str(exc)):
                     report.quarantined.append(entry_id)
                 continue
             report.checked += 1
-        grace = self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s)
-        report.orphans_removed = self._remove_orphans(grace)
+        if tenant is None:
+            grace = self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s)
+            report.lost, report.orphans_removed = self._sweep_guarded(grace)
+            events, total = self._journal.unreported()
+            report.recoveries = [RecoveryJournal.describe(e) for e in events]
+            if events and not self.read_only:
+                self._journal.mark_reported(total)
         return report
+
+    @_guarded
+    def _layouts(self, tenant: str | None) -> list[tuple[str, dict[str, Any]]]:
+        return self._db.layouts(tenant)
+
+    @_guarded
+    def _sweep_guarded(self, grace_s: float) -> tuple[list[str], list[str]]:
+        return self._sweep(grace_s, remove_lost=True)
 
     # -- internals: setup ------------------------------------------------------------------------
 
-    def _prepare_directory(self) -> None:
+    def _prepare_directory(self, read_only: bool | None) -> bool:
+        """Create the directory (unless read-only); whether to open it read-only."""
+        if read_only:
+            if not self.root.is_dir():
+                raise CacheError(f"cache directory {self.root} does not exist")
+            return True
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            for sub in (TENSOR_DIR, QUARANTINE_DIR):
+        except OSError as exc:
+            raise CacheError(f"cache directory {self.root} is not usable: {exc.strerror or exc}") from None
+        if read_only is None and any(_write_protected(p) for p in (self.root, self.root / DB_FILE, self.root / BLOB_DIR)):
+            if not (self.root / DB_FILE).exists():
+                raise CacheError(f"cache directory {self.root} is read-only and holds no cache")
+            return True
+        try:
+            for sub in (BLOB_DIR, QUARANTINE_DIR):
                 (self.root / sub).mkdir(exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=self.root / TENSOR_DIR)
+            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=self.root / BLOB_DIR)
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
+            if read_only is None and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and (self.root / DB_FILE).exists():
+                return True
             raise CacheError(f"cache directory {self.root} is not usable: {exc.strerror or exc}") from None
+        return False
 
-    def _check_version_marker(self) -> None:
+    def _check_version_marker(self) -> bool:
+        """Check the format marker; whether it exists (a new directory gets one once its database exists)."""
         marker = self.root / VERSION_FILE
-        expected = f"{_MARKER_NAME} {FORMAT_VERSION}\n"
         try:
             text = marker.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
-            tmp = marker.with_name(f".{VERSION_FILE}.{os.getpid()}.tmp")
-            try:
-                tmp.write_text(expected, encoding="utf-8")
-                os.replace(tmp, marker)
-            except OSError as exc:
-                raise CacheError(f"cache directory {self.root} is not usable: {exc.strerror or exc}") from None
-            return
+            return False
         except OSError as exc:
             raise CacheError(f"cannot read {marker}: {exc.strerror or exc}") from None
         parts = text.split()
@@ -467,82 +656,106 @@ class CacheBank:
                 f"cache at {self.root} uses format version {parts[1]}, this carnator reads version "
                 f"{FORMAT_VERSION}; use another cache directory or delete this one"
             )
+        return True
 
-    def _open_database(self) -> None:
-        """Connect (recovering from a corrupt file) and check the recorded embedding size."""
+    def _write_version_marker(self) -> None:
+        if self.read_only:
+            return
+        marker = self.root / VERSION_FILE
+        tmp = marker.with_name(f".{VERSION_FILE}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(f"{_MARKER_NAME} {FORMAT_VERSION}\n", encoding="utf-8")
+            os.replace(tmp, marker)
+        except OSError as exc:
+            raise CacheError(f"cache directory {self.root} is not usable: {exc.strerror or exc}") from None
+
+    def _open_database(self, had_marker: bool) -> None:
+        """Connect, recovering from a corrupt file, and record in the journal a database that vanished or was emptied
+        under an existing cache (its entries are lost)."""
         self._scopes.clear()
-        self._dim = None
+        path = self._db.path
+        existed = path.exists()
+        if self.read_only and not existed:
+            raise CacheError(f"cache directory {self.root} is read-only and holds no cache database")
+        if had_marker and not existed and not self.read_only:
+            self._move_aside_stale_wal()
         try:
             self._db.open()
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
             if not is_corruption(exc):
                 raise
             self._recover_database(exc)
             return
-        self._dim = self._reconcile_embed_dim(self._requested_dim)
+        if had_marker and not self._db.found_schema:
+            what = "missing" if not existed else "emptied"
+            blobs = len(self._entry_ids_on_disk())
+            self._journal.record(what, f"database {path.name} was {what}; started an empty one", rows=None, blobs=blobs)
+            log.warning(
+                "cache database %s was %s: started an empty cache (%d entries' blobs remain without metadata; "
+                "`carnator cache verify` reports them)", path, what, blobs,
+            )
+
+    def _move_aside_stale_wal(self) -> None:
+        """A -wal/-shm without their database belong to the lost one: SQLite must not replay them onto a new file."""
+        for suffix in ("-wal", "-shm"):
+            src = Path(f"{self._db.path}{suffix}")
+            if src.exists():
+                try:
+                    os.replace(src, self.root / QUARANTINE_DIR / f"{src.name}.{time.strftime('%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:6]}")
+                except OSError as exc:
+                    log.warning("could not move aside %s: %s", src, exc)
 
     def _ensure_connection(self) -> None:
-        """Reconnect after a fork or after another process replaced a corrupt ``bank.sqlite``."""
+        """Reconnect after a fork or after another process replaced (or someone deleted) ``bank.sqlite``."""
         if self._closed:
             raise CacheError("the cache bank is closed")
         if self._db.is_stale():
-            self._open_database()
+            self._open_database(had_marker=True)
 
     def _recover_database(self, exc: BaseException) -> None:
-        """Move the broken database aside and start an empty one (entries are lost, nothing bad served)."""
+        """Move the broken database aside and start an empty one (entries are lost, nothing bad served); record it in
+        the recovery journal."""
+        if self.read_only:
+            raise CacheError(f"cache database {self._db.path} is damaged ({_first_line(exc)}) and the cache is read-only")
         self._db.close()
         self._scopes.clear()
-        self._dim = None
         stamp = time.strftime("%Y%m%dT%H%M%S")
         dest = self.root / QUARANTINE_DIR / f"bank.{stamp}.{uuid.uuid4().hex[:6]}.sqlite"
+        moved = False
         for suffix in ("", "-wal", "-shm"):
             try:
                 os.replace(f"{self._db.path}{suffix}", f"{dest}{suffix}")
+                moved = moved or suffix == ""
             except FileNotFoundError:
                 pass
             except OSError as err:
                 raise CacheError(f"cache database {self._db.path} is corrupt and cannot be moved aside: {err}") from err
+        rows = count_entries(dest) if moved else None
+        blobs = len(self._entry_ids_on_disk())
+        self._journal.record("corrupt", f"database was corrupt ({_first_line(exc)}); started an empty one",
+                             rows=rows, blobs=blobs, moved_to=str(dest) if moved else None)
         log.warning(
             "cache database %s is corrupt (%s); moved it to %s and started an empty cache (cached entries are lost)",
-            self._db.path,
-            exc,
-            dest,
+            self._db.path, _first_line(exc), dest,
         )
         self._db.open()
-        self._dim = self._reconcile_embed_dim(self._requested_dim)
-
-    def _reconcile_embed_dim(self, embed_dim: int | None) -> int | None:
-        stored = self._db.get_meta("embed_dim")
-        if embed_dim is None:
-            return None if stored is None else int(stored)
-        recorded = self._db.ensure_embed_dim(embed_dim)
-        if recorded != embed_dim:
-            raise CacheError(
-                f"cache at {self.root} holds {recorded}-d embeddings, not {embed_dim}-d; "
-                "use another cache directory or delete this one"
-            )
-        return recorded
 
     # -- internals: entries ----------------------------------------------------------------------
 
-    def _current_dim(self) -> int | None:
-        if self._dim is None:
-            stored = self._db.get_meta("embed_dim")
-            self._dim = None if stored is None else int(stored)
-        return self._dim
+    @_guarded
+    def _check_dim(self, tenant: str, compat_key: str, size: int) -> None:
+        dim = self._db.scope_dim(tenant, compat_key)
+        if dim is not None and dim != size:
+            raise CacheError(_dim_message(tenant, compat_key, dim, size))
 
-    def _as_embedding(self, embedding: Any, *, establish: bool) -> np.ndarray:
-        if isinstance(embedding, torch.Tensor):
-            embedding = embedding.detach().to("cpu", torch.float32).numpy()
-        vec = np.asarray(embedding, dtype=np.float32).reshape(-1)
-        if vec.size == 0 or not np.all(np.isfinite(vec)):
-            raise ValueError("embedding must be a non-empty vector of finite numbers")
-        dim = self._current_dim()
-        if dim is None and establish:
-            dim = self._dim = self._db.ensure_embed_dim(vec.size)
-        if dim is not None and vec.size != dim:
-            raise ValueError(f"embedding has {vec.size} dimensions; this cache holds {dim}-d embeddings")
-        return vec.copy()
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise CacheError(f"cache at {self.root} is read-only: cannot {what}")
+
+    def _warn_once(self, key: str, msg: str, *args: object) -> None:
+        level = logging.DEBUG if key in self._warned else logging.WARNING
+        self._warned.add(key)
+        log.log(level, msg, *args)
 
     def _scope_index(self, conn: sqlite3.Connection, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
         """This process's index of one scope, brought up to date with the database snapshot ``conn`` sees."""
@@ -574,53 +787,175 @@ class CacheBank:
             scope.entry_seq = state.entry_seq
         return scope.index
 
-    def _quarantine(self, entry_id: str, reason: str) -> bool:
-        """Move a bad tensor file aside and delete its row; returns whether the row existed."""
-        dest = self._files.quarantine(entry_id)
+    @_guarded
+    def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
+        """Move a bad entry's blobs aside and delete its row; returns whether the row existed. Read-only: only warns."""
+        if self.read_only:
+            log.warning("cache entry %s is corrupt (%s); the cache is read-only, so it stays in place (a miss)", entry_id, reason)
+            return self._db.get(entry_id) is not None
+        dests = [d for d in (self._blobs.quarantine(k) for k in layout["blobs"]) if d]
         with self._db.write() as conn:
             existed = bool(self._db.delete(conn, [entry_id]))
         log.warning(
             "cache entry %s is corrupt (%s); %s and dropped it from the cache",
-            entry_id,
-            reason,
-            f"moved its file to {dest}" if dest else "its file was already gone",
+            entry_id, reason, f"moved its blobs to {', '.join(dests)}" if dests else "its blobs were already gone",
         )
         return existed
 
-    def _drop_missing(self, entry_id: str) -> bool:
-        """Delete the row of an entry whose file vanished (unless another process already removed it)."""
+    @_guarded
+    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
+        """Delete the row of an entry whose blob vanished (unless another process already removed it) and its other
+        blobs. Read-only: only warns."""
+        if self.read_only:
+            log.warning("cache entry %s lost a blob; the cache is read-only, so its row stays (a miss)", entry_id)
+            return self._db.get(entry_id) is not None
         with self._db.write() as conn:
-            existed = bool(self._db.delete(conn, [entry_id]))
-        if existed:
-            log.warning("cache entry %s lost its tensor file; dropped it from the cache", entry_id)
-        return existed
+            removed = self._db.delete(conn, [entry_id])
+        self._delete_blobs(removed)
+        if removed:
+            log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
+        return bool(removed)
 
-    def _remove_orphans(self, grace_s: float) -> list[str]:
-        """Delete tensor/temp files older than ``grace_s`` that no row refers to; returns their names."""
+    def _delete_blobs(self, removed: Iterable[tuple[str, dict[str, Any]]]) -> None:
+        """Delete the blobs of entries whose rows are gone for good (a failure leaves an orphan, removed later)."""
+        for _, layout in removed:
+            for key in layout["blobs"]:
+                try:
+                    self._blobs.delete(key)
+                except OSError as exc:
+                    log.warning("could not delete cache blob %s: %s", key, exc)
+
+    def _entry_ids_on_disk(self) -> set[str]:
+        try:
+            return {b.entry_id for b in self._blobs.scan() if not b.staged}
+        except OSError:
+            return set()
+
+    def _sweep(self, grace_s: float, *, remove_lost: bool) -> tuple[list[str], list[str]]:
+        """Sort out blobs without a row. Published blobs whose removal was logged, and staged blobs older than
+        ``grace_s`` (admissions that never committed), are removed; staged blobs of committed rows are published;
+        published blobs of entries the database never removed are *lost* entries: returned, and removed too when
+        ``remove_lost``. Returns (lost entry ids, names of the files removed as leftovers). Read-only: removes
+        nothing."""
+        files = self._blobs.scan()
+        if not files:
+            return [], []
+        with self._db.read():
+            known = self._db.ids()  # read after listing, so a blob whose row is being committed is seen with its row
+            removed_ids = self._db.removed_ids()
         cutoff = time.time() - grace_s
-        files = self._files.scan()
-        known = self._db.ids()  # read after listing, so a file whose row is being inserted is kept
-        if not any(f.mtime <= cutoff and (f.entry_id is None or f.entry_id not in known) for f in files):
-            return []
+        lost = sorted({f.entry_id for f in files if not f.staged and f.entry_id not in known and f.entry_id not in removed_ids})
+        if self.read_only:
+            return lost, []
+        lost_set = set(lost)
+        leftovers = [
+            f for f in files
+            if f.entry_id not in known
+            and ((f.staged and f.mtime <= cutoff) or (not f.staged and (f.entry_id in removed_ids or (remove_lost and f.entry_id in lost_set))))
+        ]
+        for f in files:
+            if f.staged and f.entry_id in known:
+                try:
+                    self._blobs.publish(f.key)
+                except OSError as exc:
+                    log.debug("could not publish cache blob %s: %s", f.key, exc)
         removed: list[str] = []
-        # Under the write lock, so no admission can insert a row for a file we are deleting: an
-        # admission re-checks that its file exists inside its own write transaction.
+        if not leftovers:
+            return lost, removed
+        # Under the write lock, so no admission can commit a row for a blob we are removing: an admission re-checks
+        # that its staged blobs exist inside its own write transaction.
         with self._db.write():
             known = self._db.ids()
-            for f in self._files.scan():
-                if (f.entry_id is not None and f.entry_id in known) or f.mtime > cutoff:
+            for f in leftovers:
+                if f.entry_id in known:
                     continue
                 try:
-                    os.unlink(f.path)
-                except FileNotFoundError:
-                    continue
+                    gone = self._blobs.remove(f)
                 except OSError as exc:
-                    log.warning("could not delete orphan cache file %s: %s", f.path, exc)
+                    log.warning("could not delete orphan cache blob %s: %s", f.name, exc)
                     continue
-                removed.append(f.path.name)
+                if gone and f.entry_id not in lost_set:
+                    removed.append(f.name)
         if removed:
-            log.info("removed %d orphan file(s) from %s", len(removed), self._files.directory)
-        return removed
+            log.info("removed %d leftover blob(s) from %s", len(removed), self._blobs.directory)
+        return lost, sorted(removed)
+
+
+def _pack(entry_id: str, tensors: Any, video: Any) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """An entry's blobs (key -> bytes) and its layout (what the row records of them)."""
+    blobs: dict[str, bytes] = {}
+    layout: dict[str, Any] = {"blobs": {}, "tensors": {}}
+    parts: list[tuple[str, Any]] = [(TENSORS_BLOB, tensors)]
+    if video is not None:
+        if isinstance(video, np.ndarray):
+            video_t = torch.from_numpy(np.ascontiguousarray(video))
+        elif isinstance(video, torch.Tensor):
+            video_t = video
+        else:
+            raise TypeError(f"video must be a numpy array (uint8, T x H x W x 3), not {type(video).__name__}")
+        parts.append((VIDEO_BLOB, {VIDEO: video_t}))
+    for kind, group in parts:
+        key = blob_key(entry_id, kind)
+        data, index = pack_tensors(group, {"carnator_cache_format": str(FORMAT_VERSION), "entry_id": entry_id})
+        blobs[key] = data
+        layout["blobs"][key] = {"nbytes": len(data), "sha256": sha256(data)}
+        for name, spec in index.items():
+            layout["tensors"][name] = {"blob": key, **spec}
+    return blobs, layout
+
+
+def _policy_name(eviction: str | EvictionPolicy) -> str:
+    policy = get_eviction(eviction)  # CacheError for an unknown name
+    name = type(policy).name
+    if not name or get_eviction(name).__class__ is not type(policy):
+        raise CacheError(
+            f"eviction policy {type(policy).__name__} is not registered; the cache stores its policy by name, so "
+            "register it with @register_eviction(name)"
+        )
+    return name
+
+
+def _dim_message(tenant: str, compat_key: str, dim: int, got: int) -> str:
+    return (
+        f"cache scope (tenant {tenant!r}, compat key {compat_key[:12]}) holds {dim}-d recall embeddings, not {got}-d: "
+        "entries of another embedder need a compat key that names it (keys.compat_key(..., extra=...)) or another cache"
+    )
+
+
+def _as_vector(embedding: Any) -> np.ndarray:
+    if isinstance(embedding, torch.Tensor):
+        embedding = embedding.detach().to("cpu", torch.float32).numpy()
+    vec = np.asarray(embedding, dtype=np.float32).reshape(-1)
+    if vec.size == 0 or not np.all(np.isfinite(vec)):
+        raise ValueError("embedding must be a non-empty vector of finite numbers")
+    return vec.copy()
+
+
+def _write_protected(path: Path) -> bool:
+    """Whether ``path`` exists and cannot be written, or has every write permission bit off (root included)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return not os.access(path, os.W_OK) or (stat.S_IMODE(st.st_mode) & 0o222) == 0
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+_HOST = socket.gethostname()
 
 
 def _check_scope(tenant: str, compat_key: str) -> None:
@@ -635,3 +970,8 @@ def _finite(x: object) -> bool:
         return not isinstance(x, bool) and math.isfinite(float(x))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return False
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

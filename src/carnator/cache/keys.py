@@ -17,24 +17,33 @@ from typing import Any
 _KEY_VERSION = 1
 
 
-def compat_key(model_identity: str, scheduler: Any, settings: Mapping[str, Any]) -> str:
-    """Hash of ``(model_identity, scheduler, settings)`` in canonical form (64 hex chars).
+def compat_key(
+    model_identity: str, scheduler: Any, settings: Mapping[str, Any], extra: Mapping[str, Any] | None = None
+) -> str:
+    """Hash of ``(model_identity, scheduler, settings, extra)`` in canonical form (64 hex chars).
 
     ``scheduler`` may be a string (e.g. a class name), a mapping (a scheduler config), or a
     diffusers scheduler object (its class name and ``config`` are used). In configs, keys that start
     with ``_`` (``_class_name``, ``_diffusers_version``, ...) are bookkeeping and are ignored.
-    ``settings`` is typically :meth:`carnator.request.Request.settings`.
+    ``settings`` is typically :meth:`carnator.request.Request.settings`. ``extra`` holds whatever else must match
+    for two requests to share work, e.g. ``{"embedder": "minilm-l6@<hash>", "reading": {...}}``: the recall
+    embedder's identity (the recall index is per key, so entries of two embedders never mix) and the policy's
+    reading of signatures. ``None`` and ``{}`` give the key without extras (keys built before ``extra`` existed).
     """
     if not isinstance(model_identity, str) or not model_identity:
         raise ValueError("model_identity must be a non-empty string")
     if not isinstance(settings, Mapping):
         raise TypeError(f"settings must be a mapping, not {type(settings).__name__}")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a mapping or None, not {type(extra).__name__}")
     payload = {
         "v": _KEY_VERSION,
         "model": model_identity,
         "scheduler": _scheduler_form(scheduler),
         "settings": _canonical(settings),
     }
+    if extra:
+        payload["extra"] = _canonical(extra)
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

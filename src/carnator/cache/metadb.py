@@ -8,12 +8,18 @@ bank's vector indices compare the counters in :meth:`MetaDB.sync_state` before e
 Tables:
 
 ``meta``
-    ``format_version``, ``embed_dim``, ``epoch`` (a token that changes on ``clear``).
+    ``format_version``, ``epoch`` (a token that changes on ``clear``), ``capacity_bytes`` and ``eviction`` (the
+    store's settings).
 ``entries``
-    one row per entry; ``seq`` is an AUTOINCREMENT rowid, so later inserts always get larger ones.
+    one row per entry; ``seq`` is an AUTOINCREMENT rowid, so later inserts always get larger ones. ``layout`` is
+    JSON: per blob its size and sha256, per tensor its blob, byte range, dtype, shape and sha256.
+``scopes``
+    the embedding size of each ``(tenant, compat_key)`` scope (the recall index is per scope).
 ``removals``
     a log of removed entries (the last :data:`REMOVAL_LOG_KEEP`), so other processes' indices can
-    drop them without a full rebuild.
+    drop them without a full rebuild, and so that a removed entry's blobs are not mistaken for a lost entry's.
+``leases``
+    single-flight leases: who is generating which exact request, until when.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import secrets
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,10 +39,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheError
-from .entry import EntryMeta
+from .entry import CacheSettings, EntryMeta
 
-#: Version of the on-disk layout (``VERSION`` marker, schema, file naming). Bump on incompatible change.
-FORMAT_VERSION = 1
+#: Version of the on-disk layout (``VERSION`` marker, schema, blob naming). Bump on incompatible change.
+#: 1: one tensor file per entry, one checksum per file. 2: tensors and video in separate blobs, a checksum per
+#: tensor, blobs published after their row commits, settings and per-scope embedding sizes in the database.
+FORMAT_VERSION = 2
 #: How many removals the log keeps; an index further behind than this rebuilds from scratch.
 REMOVAL_LOG_KEEP = 4096
 
@@ -55,43 +64,62 @@ _SCHEMA = (
         use_count INTEGER NOT NULL DEFAULT 0,
         steps_saved REAL NOT NULL DEFAULT 0,
         nbytes INTEGER NOT NULL,
-        checksum TEXT NOT NULL,
         embedding BLOB NOT NULL,
-        extra TEXT NOT NULL DEFAULT '{}'
+        extra TEXT NOT NULL DEFAULT '{}',
+        layout TEXT NOT NULL
     )""",
     "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
     "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
+    """CREATE TABLE IF NOT EXISTS scopes (
+        tenant TEXT NOT NULL,
+        compat_key TEXT NOT NULL,
+        dim INTEGER NOT NULL,
+        PRIMARY KEY (tenant, compat_key)
+    )""",
     """CREATE TABLE IF NOT EXISTS removals (
         seq INTEGER PRIMARY KEY AUTOINCREMENT,
         id TEXT NOT NULL,
         tenant TEXT NOT NULL,
         compat_key TEXT NOT NULL
     )""",
+    """CREATE TABLE IF NOT EXISTS leases (
+        tenant TEXT NOT NULL,
+        exact_key TEXT NOT NULL,
+        holder TEXT NOT NULL,
+        host TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        expires REAL NOT NULL,
+        PRIMARY KEY (tenant, exact_key)
+    )""",
 )
 
 _COLUMNS = (
     "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
-    "use_count, steps_saved, nbytes, embedding, extra, checksum"
+    "use_count, steps_saved, nbytes, embedding, extra, layout"
 )
 
 _CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
 
 class DatabaseCorrupt(sqlite3.DatabaseError):
-    """``PRAGMA quick_check`` found damage that SQLite itself did not raise on."""
+    """Damage SQLite did not raise as such: ``PRAGMA quick_check`` findings, schema text that is not UTF-8."""
 
 
 def is_corruption(exc: BaseException) -> bool:
-    """Whether ``exc`` means the database file is damaged (as opposed to busy, read-only, full, ...)."""
-    if isinstance(exc, DatabaseCorrupt):
+    """Whether ``exc`` means the database file is damaged (as opposed to busy, read-only, full, ...).
+
+    A ``UnicodeDecodeError`` out of sqlite3 counts: a damaged byte in the schema text makes SQLite's error message
+    (which quotes the schema) undecodable, so Python raises that instead of "malformed database schema".
+    """
+    if isinstance(exc, (DatabaseCorrupt, UnicodeDecodeError)):
         return True
     if not isinstance(exc, sqlite3.DatabaseError):
         return False
     code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return (code & 0xFF) in _CORRUPT_CODES
+    if code is not None and (code & 0xFF) in _CORRUPT_CODES:
+        return True
     msg = str(exc).lower()
-    return "malformed" in msg or "not a database" in msg
+    return "malformed" in msg or "not a database" in msg or "could not decode to utf-8" in msg
 
 
 @dataclass(frozen=True)
@@ -111,12 +139,26 @@ class ScopeRow:
     embedding: np.ndarray
 
 
-class MetaDB:
-    """One process's connection to ``bank.sqlite``."""
+@dataclass(frozen=True)
+class Lease:
+    holder: str
+    host: str
+    pid: int
+    expires: float
 
-    def __init__(self, path: Path, *, busy_timeout_s: float = 30.0) -> None:
+
+class MetaDB:
+    """One process's connection to ``bank.sqlite``.
+
+    ``read_only``: open with SQLite's ``mode=ro`` (falling back to ``immutable=1`` where SQLite cannot even create
+    its shared-memory file next to a read-only database); every write then fails with ``SQLITE_READONLY``.
+    """
+
+    def __init__(self, path: Path, *, busy_timeout_s: float = 30.0, read_only: bool = False) -> None:
         self.path = path
         self.busy_timeout_s = float(busy_timeout_s)
+        self.read_only = read_only
+        self.found_schema = True
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
         self._inode: tuple[int, int] | None = None
@@ -124,31 +166,61 @@ class MetaDB:
     # -- connection ------------------------------------------------------------------------------
 
     def open(self, *, check: bool = True) -> None:
-        """Connect, create the schema if needed and check the format version.
+        """Connect, create the schema if needed (``found_schema`` tells whether it was there) and check the format
+        version.
 
-        With ``check``, runs ``PRAGMA quick_check`` and raises :class:`DatabaseCorrupt` on damage.
-        Raises :class:`CacheError` if the database was written by another format version; lets
-        corruption errors (see :func:`is_corruption`) through for the bank to recover from.
+        With ``check``, runs ``PRAGMA quick_check`` and raises :class:`DatabaseCorrupt` on damage. Raises
+        :class:`CacheError` if the database was written by another format version; lets corruption errors (see
+        :func:`is_corruption`) through for the bank to recover from.
         """
         self.close()
-        conn = sqlite3.connect(
-            self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
-        )
+        conn = self._connect()
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-            self._use_wal(conn)
-            conn.execute("PRAGMA synchronous = NORMAL")
+            if not self.read_only:
+                self._use_wal(conn)
+                conn.execute("PRAGMA synchronous = NORMAL")
             if check:
                 result = [r[0] for r in conn.execute("PRAGMA quick_check(5)")]
                 if result != ["ok"]:
                     raise DatabaseCorrupt("; ".join(map(str, result)))
-            self._init_schema(conn)
+            self.found_schema = _has_table(conn, "meta")
+            if self.read_only:
+                if not self.found_schema or not _has_table(conn, "entries"):
+                    raise CacheError(f"cache database {self.path} is empty and the cache directory is read-only")
+                version = self.get_meta("format_version", conn)
+            else:
+                version = self._init_schema(conn)
+        except UnicodeDecodeError as exc:
+            conn.close()
+            raise DatabaseCorrupt(f"damaged schema text ({exc.reason} at byte {exc.start})") from None
         except BaseException:
             conn.close()
             raise
+        if str(version) != str(FORMAT_VERSION):
+            conn.close()
+            raise CacheError(
+                f"cache database {self.path} uses format version {version}, this carnator reads version "
+                f"{FORMAT_VERSION}; use another cache directory or delete this one"
+            )
         self._conn = conn
         self._pid = os.getpid()
         self._inode = self._stat_inode()
+
+    def _connect(self) -> sqlite3.Connection:
+        kw: dict[str, Any] = {"timeout": self.busy_timeout_s, "isolation_level": None, "check_same_thread": False}
+        if not self.read_only:
+            return sqlite3.connect(self.path, **kw)
+        uri = "file:" + urllib.parse.quote(str(self.path))
+        conn = sqlite3.connect(uri + "?mode=ro", uri=True, **kw)
+        try:
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError:
+            # A WAL database in a directory we cannot write: SQLite cannot create its -shm file. Nobody can be
+            # writing it either, so read the file as it stands (a -wal left behind by a crash is not read).
+            conn.close()
+            return sqlite3.connect(uri + "?immutable=1", uri=True, **kw)
 
     def _use_wal(self, conn: sqlite3.Connection) -> None:
         """Put the database in WAL mode (a property of the file, so only its first opener converts it).
@@ -199,9 +271,14 @@ class MetaDB:
             return None
         return (st.st_dev, st.st_ino)
 
-    def _init_schema(self, conn: sqlite3.Connection) -> None:
+    def _init_schema(self, conn: sqlite3.Connection) -> str:
         conn.execute("BEGIN IMMEDIATE")
         try:
+            if _has_table(conn, "meta"):  # another format's database is left exactly as it is
+                version = self.get_meta("format_version", conn)
+                if version != str(FORMAT_VERSION):
+                    conn.execute("ROLLBACK")
+                    return str(version)
             for stmt in _SCHEMA:
                 conn.execute(stmt)
             conn.execute(
@@ -211,13 +288,10 @@ class MetaDB:
             version = conn.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()[0]
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
-        if str(version) != str(FORMAT_VERSION):
-            raise CacheError(
-                f"cache database {self.path} uses format version {version}, this carnator reads version "
-                f"{FORMAT_VERSION}; use another cache directory or delete this one"
-            )
+        return str(version)
 
     # -- transactions ----------------------------------------------------------------------------
 
@@ -245,7 +319,7 @@ class MetaDB:
             if conn.in_transaction:
                 conn.execute("COMMIT")
 
-    # -- meta ------------------------------------------------------------------------------------
+    # -- meta and settings -----------------------------------------------------------------------
 
     def get_meta(self, key: str, conn: sqlite3.Connection | None = None) -> str | None:
         row = (conn or self.conn).execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -254,11 +328,17 @@ class MetaDB:
     def set_meta(self, conn: sqlite3.Connection, key: str, value: str) -> None:
         conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
-    def ensure_embed_dim(self, dim: int) -> int:
-        """Record ``dim`` as the bank's embedding size unless one is recorded; returns the recorded one."""
-        with self.write() as conn:
-            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('embed_dim', ?)", (str(int(dim)),))
-            return int(self.get_meta("embed_dim", conn) or dim)
+    def settings(self, conn: sqlite3.Connection | None = None) -> CacheSettings:
+        cap = self.get_meta("capacity_bytes", conn)
+        return CacheSettings(
+            capacity_bytes=None if cap in (None, "none") else int(cap),
+            eviction=self.get_meta("eviction", conn) or "lru",
+        )
+
+    def set_settings(self, conn: sqlite3.Connection, settings: CacheSettings) -> None:
+        cap = settings.capacity_bytes
+        self.set_meta(conn, "capacity_bytes", "none" if cap is None else str(int(cap)))
+        self.set_meta(conn, "eviction", settings.eviction)
 
     def sync_state(self, conn: sqlite3.Connection) -> SyncState:
         seqs = dict(conn.execute("SELECT name, seq FROM sqlite_sequence").fetchall())
@@ -270,12 +350,29 @@ class MetaDB:
             oldest_logged_removal=None if oldest is None else int(oldest),
         )
 
+    # -- scopes ----------------------------------------------------------------------------------
+
+    def scope_dim(self, tenant: str, compat_key: str, conn: sqlite3.Connection | None = None) -> int | None:
+        """The embedding size of a scope, or None while it holds no entry (an emptied scope takes any size)."""
+        c = conn or self.conn
+        row = c.execute("SELECT dim FROM scopes WHERE tenant = ? AND compat_key = ?", (tenant, compat_key)).fetchone()
+        if row is None:
+            return None
+        if c.execute("SELECT 1 FROM entries WHERE tenant = ? AND compat_key = ? LIMIT 1", (tenant, compat_key)).fetchone() is None:
+            return None
+        return int(row[0])
+
+    def set_scope_dim(self, conn: sqlite3.Connection, tenant: str, compat_key: str, dim: int) -> None:
+        conn.execute(
+            "INSERT OR REPLACE INTO scopes (tenant, compat_key, dim) VALUES (?, ?, ?)", (tenant, compat_key, int(dim))
+        )
+
     # -- entries ---------------------------------------------------------------------------------
 
-    def insert(self, conn: sqlite3.Connection, meta: EntryMeta) -> None:
+    def insert(self, conn: sqlite3.Connection, meta: EntryMeta, layout: dict[str, Any]) -> None:
         conn.execute(
             "INSERT INTO entries (id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, "
-            "last_used, use_count, steps_saved, nbytes, checksum, embedding, extra) "
+            "last_used, use_count, steps_saved, nbytes, embedding, extra, layout) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 meta.id,
@@ -290,41 +387,42 @@ class MetaDB:
                 int(meta.use_count),
                 float(meta.steps_saved),
                 int(meta.nbytes),
-                meta.checksum,
                 np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
                 dump_extra(meta.extra),
+                json.dumps(layout, sort_keys=True, separators=(",", ":")),
             ),
         )
 
-    def delete(self, conn: sqlite3.Connection, ids: Iterable[str]) -> list[str]:
-        """Delete rows by id and log the removals; returns the ids that existed."""
-        removed: list[str] = []
+    def delete(self, conn: sqlite3.Connection, ids: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
+        """Delete rows by id and log the removals; returns ``(id, layout)`` of those that existed."""
+        removed: list[tuple[str, dict[str, Any]]] = []
         for entry_id in ids:
-            row = conn.execute("SELECT tenant, compat_key FROM entries WHERE id = ?", (entry_id,)).fetchone()
+            row = conn.execute("SELECT tenant, compat_key, layout FROM entries WHERE id = ?", (entry_id,)).fetchone()
             if row is None:
                 continue
             conn.execute("DELETE FROM entries WHERE id = ?", (entry_id,))
             conn.execute(
                 "INSERT INTO removals (id, tenant, compat_key) VALUES (?, ?, ?)", (entry_id, row[0], row[1])
             )
-            removed.append(entry_id)
+            removed.append((entry_id, _layout(row[2])))
         if removed:
-            conn.execute(
-                "DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - ?", (REMOVAL_LOG_KEEP,)
-            )
+            self._trim_removals(conn)
         return removed
 
-    def delete_all(self, conn: sqlite3.Connection, tenant: str | None) -> list[str]:
-        """Delete every row (of ``tenant``); changes the epoch so every index rebuilds."""
-        if tenant is None:
-            ids = [r[0] for r in conn.execute("SELECT id FROM entries")]
-            conn.execute("DELETE FROM entries")
-        else:
-            ids = [r[0] for r in conn.execute("SELECT id FROM entries WHERE tenant = ?", (tenant,))]
-            conn.execute("DELETE FROM entries WHERE tenant = ?", (tenant,))
-        if ids:
+    def delete_all(self, conn: sqlite3.Connection, tenant: str | None) -> list[tuple[str, dict[str, Any]]]:
+        """Delete every row (of ``tenant``) and log the removals; changes the epoch so every index rebuilds."""
+        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
+        rows = [(str(i), _layout(lay)) for i, lay in conn.execute(f"SELECT id, layout FROM entries{where}", args)]
+        if rows:
+            conn.execute(f"INSERT INTO removals (id, tenant, compat_key) SELECT id, tenant, compat_key FROM entries{where}", args)
+            conn.execute(f"DELETE FROM entries{where}", args)
+            conn.execute(f"DELETE FROM scopes{where}", args)
+            self._trim_removals(conn)
             self.set_meta(conn, "epoch", secrets.token_hex(8))
-        return ids
+        return rows
+
+    def _trim_removals(self, conn: sqlite3.Connection) -> None:
+        conn.execute("DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - ?", (REMOVAL_LOG_KEEP,))
 
     def get(self, entry_id: str, conn: sqlite3.Connection | None = None) -> EntryMeta | None:
         row = (conn or self.conn).execute(f"SELECT {_COLUMNS} FROM entries WHERE id = ?", (entry_id,)).fetchone()
@@ -340,15 +438,19 @@ class MetaDB:
                 out[meta.id] = meta
         return out
 
-    def checksum(self, entry_id: str) -> str | None:
-        row = self.conn.execute("SELECT checksum FROM entries WHERE id = ?", (entry_id,)).fetchone()
-        return None if row is None else str(row[0])
+    def layout(self, entry_id: str) -> dict[str, Any] | None:
+        row = self.conn.execute("SELECT layout FROM entries WHERE id = ?", (entry_id,)).fetchone()
+        return None if row is None else _layout(row[0])
 
-    def checksums(self) -> list[tuple[str, str]]:
-        return [(str(a), str(b)) for a, b in self.conn.execute("SELECT id, checksum FROM entries ORDER BY seq")]
+    def layouts(self, tenant: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
+        return [(str(i), _layout(lay)) for i, lay in self.conn.execute(f"SELECT id, layout FROM entries{where} ORDER BY seq", args)]
 
     def ids(self) -> set[str]:
         return {r[0] for r in self.conn.execute("SELECT id FROM entries")}
+
+    def removed_ids(self) -> set[str]:
+        return {r[0] for r in self.conn.execute("SELECT id FROM removals")}
 
     def by_exact_key(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
         sql = f"SELECT {_COLUMNS} FROM entries WHERE tenant = ? AND exact_key = ?"
@@ -374,11 +476,12 @@ class MetaDB:
     def total_bytes(self, conn: sqlite3.Connection) -> int:
         return int(conn.execute("SELECT coalesce(sum(nbytes), 0) FROM entries").fetchone()[0])
 
-    def per_tenant(self) -> list[tuple[str, int, int]]:
+    def per_tenant(self, tenant: str | None = None) -> list[tuple[str, int, int]]:
+        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
         return [
             (str(t), int(c), int(b))
             for t, c, b in self.conn.execute(
-                "SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM entries GROUP BY tenant ORDER BY tenant"
+                f"SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM entries{where} GROUP BY tenant ORDER BY tenant", args
             )
         ]
 
@@ -407,9 +510,47 @@ class MetaDB:
         )
         return [r[0] for r in rows]
 
+    # -- leases ----------------------------------------------------------------------------------
+
+    def lease(self, conn: sqlite3.Connection, tenant: str, exact_key: str) -> Lease | None:
+        row = conn.execute(
+            "SELECT holder, host, pid, expires FROM leases WHERE tenant = ? AND exact_key = ?", (tenant, exact_key)
+        ).fetchone()
+        return None if row is None else Lease(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
+
+    def set_lease(self, conn: sqlite3.Connection, tenant: str, exact_key: str, lease: Lease) -> None:
+        conn.execute(
+            "INSERT OR REPLACE INTO leases (tenant, exact_key, holder, host, pid, expires) VALUES (?, ?, ?, ?, ?, ?)",
+            (tenant, exact_key, lease.holder, lease.host, lease.pid, lease.expires),
+        )
+
+    def drop_lease(self, conn: sqlite3.Connection, tenant: str, exact_key: str, holder: str) -> None:
+        conn.execute("DELETE FROM leases WHERE tenant = ? AND exact_key = ? AND holder = ?", (tenant, exact_key, holder))
+
+
+def count_entries(path: Path) -> int | None:
+    """How many rows the (possibly damaged) database at ``path`` still shows, or None when it cannot be read."""
+    try:
+        uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, timeout=0.5)
+        try:
+            return int(conn.execute("SELECT count(*) FROM entries").fetchone()[0])
+        finally:
+            conn.close()
+    except Exception:  # noqa: BLE001 - a damaged file may fail in any way; "unknown" is the answer
+        return None
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
+def _layout(text: str) -> dict[str, Any]:
+    return json.loads(text)
+
 
 def _to_meta(row: Sequence[Any]) -> EntryMeta:
-    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, cs) = row
+    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, lay) = row
     return EntryMeta(
         id=str(id_),
         tenant=str(tenant),
@@ -425,7 +566,7 @@ def _to_meta(row: Sequence[Any]) -> EntryMeta:
         nbytes=int(nbytes),
         embedding=np.frombuffer(emb, dtype="<f4").astype(np.float32),
         extra=json.loads(extra) if extra else {},
-        checksum=str(cs),
+        tensor_names=tuple(sorted(_layout(lay)["tensors"])),
     )
 
 

@@ -23,12 +23,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .entry import BankStats, EntryMeta
+from .entry import VIDEO, BankStats, EntryMeta
 
 __all__ = ["CacheStore", "StoreSpec", "VIDEO"]
-
-#: The name under which an entry's decoded video (uint8, T x H x W x 3) is stored and loaded.
-VIDEO = "video"
 
 
 @dataclass(frozen=True)
@@ -74,7 +71,9 @@ class CacheStore(Protocol):
         ``names`` asks for tensors the entry never had."""
 
     def admit(self, spec: StoreSpec) -> str | None:
-        """Store one completed request; its id, or None when it cannot fit the store's capacity."""
+        """Store one completed request; its id, or None when it cannot fit the store's capacity or the store is
+        read-only (both logged as a WARNING). ``CacheError`` when the write fails (full disk, locked database, an
+        embedding of another size in the same scope): the caller still has its result."""
 
     def touch(self, entry_id: str, *, steps_saved: float | None = None) -> bool:
         """Record one use (recency, use count); False when the entry is gone or the write could not be made."""
@@ -88,4 +87,5 @@ class CacheStore(Protocol):
     def single_flight(self, tenant: str, exact_key: str, timeout_s: float = 600.0) -> AbstractContextManager[bool]:
         """Hold the right to generate the request ``exact_key`` while the block runs. When another process or
         thread already holds it, wait until it finishes (or ``timeout_s`` passes) before entering; the value is
-        True when this caller waited, so it should look the exact key up again."""
+        True when this caller waited, so it should look the exact key up again. Bookkeeping trouble (a read-only
+        or full store) never blocks the caller: it then enters at once, uncoordinated."""
