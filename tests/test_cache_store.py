@@ -1,0 +1,624 @@
+"""The cache store as the engine uses it: the CacheStore protocol, per-tensor lazy loads, stored settings, and the
+hardening an outside fault test asked for (each test reproduces one finding). Real SQLite, real files, real
+processes; every expected answer is known in advance."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from carnator.cache import VIDEO, CacheBank, CacheStore, LocalBlobStore, StoreSpec, _faults
+from carnator.cache.bank import BLOB_DIR, DB_FILE, QUARANTINE_DIR
+from carnator.cache.journal import JOURNAL_FILE
+from carnator.cache.store import blob_key
+from carnator.cli import main
+from carnator.errors import CacheError
+
+VID = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+
+
+def _traj(steps: int = 30, n: int = 64) -> dict[str, torch.Tensor]:
+    return {f"traj.{i}": torch.full((n,), float(i)) for i in range(steps)}
+
+
+def _spec(emb=(1.0, 0.0), *, tenant="t", key="k", exact_key=None, tensors=None, video=VID, **kw) -> StoreSpec:
+    return StoreSpec(tenant=tenant, compat_key=key, prompt=kw.pop("prompt", "a red ball"), embedding=np.asarray(emb, np.float32),
+                     tensors=_traj() if tensors is None else tensors, video=video, exact_key=exact_key, **kw)
+
+
+def _blob(bank: CacheBank, entry_id: str, kind: str = "tensors") -> Path:
+    return bank.root / BLOB_DIR / blob_key(entry_id, kind)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+
+def _python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class CountingBlobStore(LocalBlobStore):
+    """The real local blob store, counting the bytes it reads."""
+
+    def __init__(self, inner: LocalBlobStore) -> None:
+        super().__init__(inner.directory, inner.quarantine_dir, read_only=inner.read_only)
+        self.bytes_read = 0
+        self.reads: list[tuple[str, int, int | None]] = []
+
+    def read(self, key, offset=0, length=None):
+        data = super().read(key, offset, length)
+        self.bytes_read += len(data)
+        self.reads.append((key, offset, length))
+        return data
+
+
+@pytest.fixture
+def bank(tmp_path):
+    with CacheBank(tmp_path / "bank") as b:
+        yield b
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+
+
+def test_bank_is_a_cache_store_and_keeps_its_word(bank):
+    assert isinstance(bank, CacheStore)
+    # admit -> id; lookup_exact finds it by (tenant, exact_key) only
+    a = bank.admit(_spec([1, 0], exact_key="e1", steps_saved=20, extra={"nouns": ["ball"]}))
+    b = bank.admit(_spec([0, 1], exact_key="e2"))
+    other = bank.admit(_spec([1, 0], tenant="u", exact_key="e1"))
+    assert len({a, b, other}) == 3
+    assert bank.lookup_exact("t", "e1").id == a and bank.lookup_exact("u", "e1").id == other
+    assert bank.lookup_exact("t", "nope") is None
+    # get: metadata, with the names load can read
+    meta = bank.get(a)
+    assert meta.tensor_names == tuple(sorted([*(f"traj.{i}" for i in range(30)), VIDEO])) and meta.has_video
+    assert meta.extra == {"nouns": ["ball"]} and meta.steps_saved == 20 and bank.get("nope") is None
+    # recall: nearest first, within (tenant, compat_key)
+    got = bank.recall("t", "k", [1, 0.1], k=10)
+    assert [m.id for m, _ in got] == [a, b] and got[0][1] == pytest.approx(1 / np.sqrt(1.01))
+    assert bank.recall("t", "other-key", [1, 0]) == []
+    # load: all, some, the video; KeyError for names never admitted; None for unknown ids
+    assert set(bank.load(a)) == set(meta.tensor_names)
+    np.testing.assert_array_equal(bank.load(a, [VIDEO])[VIDEO].numpy(), VID)
+    assert torch.equal(bank.load(a, ["traj.29"])["traj.29"], torch.full((64,), 29.0))
+    with pytest.raises(KeyError, match="no tensors named"):
+        bank.load(a, ["attn.0"])
+    assert bank.load("nope") is None
+    # touch: recency and use count; False for a gone entry
+    assert bank.touch(a, steps_saved=25) and bank.get(a).use_count == 1 and bank.get(a).steps_saved == 25
+    assert not bank.touch("nope")
+    # stats: counts and bytes, the store's settings; of one tenant when asked
+    st = bank.stats()
+    assert (st.count, st.capacity_bytes, st.eviction) == (3, None, "lru")
+    assert st.bytes == sum(e.nbytes for e in bank.entries())
+    assert bank.stats("u").count == 1 and set(bank.stats("u").tenants) == {"u"}
+    # evict: how many existed
+    assert bank.evict([a, "nope"]) == 1 and bank.get(a) is None and bank.load(a) is None
+    # single_flight: a free key is entered at once, not waited for
+    with bank.single_flight("t", "e9", timeout_s=5) as waited:
+        assert waited is False
+    # an entry without video serves no exact hit
+    c = bank.admit(_spec([1, 1], video=None, exact_key="e3"))
+    assert not bank.get(c).has_video
+    with pytest.raises(KeyError):
+        bank.load(c, [VIDEO])
+
+
+def test_video_is_reserved_for_the_video(bank):
+    with pytest.raises(ValueError, match="reserved"):
+        bank.admit(_spec(tensors={VIDEO: torch.zeros(3)}))
+    with pytest.raises(TypeError, match="StoreSpec"):
+        bank.admit({"tenant": "t"})
+
+
+# -- per-tensor lazy loads --------------------------------------------------------------------------
+
+
+def test_exact_hit_reads_only_the_video_and_a_step_only_its_tensor(bank):
+    big = {f"traj.{i}": torch.randn(4096) for i in range(30)}  # 30 x 16 KiB of trajectory
+    entry = bank.admit(_spec(tensors=big, exact_key="e"))
+    counter = CountingBlobStore(bank._blobs)
+    bank._blobs = counter
+    out = bank.load(bank.lookup_exact("t", "e").id, [VIDEO])
+    np.testing.assert_array_equal(out[VIDEO].numpy(), VID)
+    assert counter.bytes_read == VID.nbytes  # the video's bytes, not a byte of trajectory
+    assert [k for k, _, _ in counter.reads] == [blob_key(entry, "video")]
+    counter.bytes_read = 0
+    out = bank.load(entry, ["traj.29"])
+    assert torch.equal(out["traj.29"], big["traj.29"]) and counter.bytes_read == 4096 * 4
+    counter.bytes_read = 0
+    assert set(bank.load(entry)) == {*big, VIDEO}  # everything: each blob read once
+    assert counter.bytes_read <= os.path.getsize(_blob(bank, entry)) + VID.nbytes
+
+
+def test_one_bad_tensor_quarantines_the_entry_and_nothing_corrupt_is_served(bank, caplog):
+    entry = bank.admit(_spec(exact_key="e"))
+    path = _blob(bank, entry)
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8 : 8 + header_len])
+    lo, _ = header["traj.3"]["data_offsets"]
+    raw = bytearray(path.read_bytes())
+    raw[8 + header_len + lo + 1] ^= 0x40  # one bit of traj.3
+    path.write_bytes(bytes(raw))
+    assert torch.equal(bank.load(entry, ["traj.4"])["traj.4"], torch.full((64,), 4.0))  # intact tensors are intact
+    np.testing.assert_array_equal(bank.load(entry, [VIDEO])[VIDEO].numpy(), VID)  # the video is its own blob
+    with caplog.at_level(logging.WARNING, logger="carnator.cache"):
+        assert bank.load(entry, ["traj.3"]) is None
+    assert "traj.3" in caplog.text and "failed its checksum" in caplog.text
+    assert bank.get(entry) is None and bank.lookup_exact("t", "e") is None and bank.load(entry, [VIDEO]) is None
+    assert sorted(p.name.split(".")[1] for p in (bank.root / QUARANTINE_DIR).iterdir()) == ["tensors", "video"]
+
+
+def test_old_format_directory_gets_a_clear_error(tmp_path):
+    (tmp_path / "VERSION").write_text("carnator-cache 1\n")
+    with pytest.raises(CacheError, match="uses format version 1, this carnator reads version 2"):
+        CacheBank(tmp_path)
+
+
+# -- settings are the store's ---------------------------------------------------------------------
+
+
+def test_capacity_is_the_stores_not_the_openers(tmp_path):
+    """A CLI generate grew a 40 MB-capped folder to 52.5 MB while `cache stats` said unbounded: the cap was the
+    opener's. Now it is stored: another opener (another process) keeps it, and stats tells it."""
+    root = tmp_path / "bank"
+    with CacheBank(root) as probe:
+        size = probe.get(probe.admit(_spec())).nbytes
+        probe.clear()
+    with CacheBank(root) as first:
+        assert first.configure(capacity_bytes=3 * size, eviction="lcbfu").capacity_bytes == 3 * size
+    with CacheBank(root) as second:  # knows nothing of the cap but what the store says
+        assert (second.stats().capacity_bytes, second.stats().eviction) == (3 * size, "lcbfu")
+        ids = [second.admit(_spec(prompt=f"p{i}")) for i in range(5)]
+        assert second.stats().bytes <= 3 * size and second.stats().count == 3
+        assert [e.id for e in second.entries()] == ids[2:]
+        # lowering the cap evicts at once; raising it keeps everything; None is unbounded
+        assert second.configure(capacity_bytes=size).capacity_bytes == size
+        assert [e.id for e in second.entries()] == ids[4:]
+        second.configure(capacity_bytes=None)
+        assert second.stats().capacity_bytes is None and second.stats().eviction == "lcbfu"
+        second.admit(_spec())
+        second.admit(_spec())
+        assert second.stats().count == 3
+
+
+# -- hardening: unreadable blobs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["directory", "symlink-loop"])
+def test_unreadable_blob_is_a_miss_not_a_crash(bank, damage, caplog):
+    """A stored tensor file replaced by a directory made IsADirectoryError escape verify and generate: any OSError
+    on reading a blob now quarantines the entry (a miss); a missing file stays "missing"."""
+    bad = bank.admit(_spec(exact_key="bad"))
+    good = bank.admit(_spec(exact_key="good"))
+    path = _blob(bank, bad, "video")
+    path.unlink()
+    if damage == "directory":
+        path.mkdir()
+        (path / "x").write_bytes(b"1")
+    else:
+        os.symlink(path.name, path)  # ELOOP: too many levels of symbolic links
+    with caplog.at_level(logging.WARNING, logger="carnator.cache"):
+        assert bank.load(bad, [VIDEO]) is None
+    assert "cannot read blob" in caplog.text and bank.get(bad) is None
+    assert not os.path.lexists(path)  # moved to quarantine/
+    assert bank.load(good, [VIDEO]) is not None
+    # verify meets the same damage on another entry: reports it, does not raise
+    other = bank.admit(_spec(exact_key="other"))
+    _blob(bank, other).unlink()
+    _blob(bank, other).mkdir()
+    gone = bank.admit(_spec(exact_key="gone"))
+    _blob(bank, gone, "video").unlink()
+    report = bank.verify()
+    assert report.quarantined == [other] and report.missing == [gone] and report.checked == 1 and not report.ok
+
+
+# -- hardening: the database ------------------------------------------------------------------------
+
+
+def test_bad_schema_byte_is_recovered_not_a_crash(tmp_path, caplog):
+    """One bad byte in the schema text gave UnicodeDecodeError at the journal-mode pragma, so recovery never ran."""
+    root = tmp_path / "bank"
+    with CacheBank(root) as b:
+        ids = [b.admit(_spec(prompt=f"p{i}")) for i in range(3)]
+    db = root / DB_FILE
+    raw = bytearray(db.read_bytes())
+    at = raw.find(b"CREATE TABLE entries")
+    assert at > 0
+    raw[at + 7] = 0xFF
+    db.write_bytes(bytes(raw))
+    with sqlite3.connect(db) as probe, pytest.raises(UnicodeDecodeError):  # the finding, as it was
+        probe.execute("PRAGMA journal_mode").fetchone()
+    probe.close()
+    with caplog.at_level(logging.WARNING, logger="carnator.cache"), CacheBank(root) as b:
+        assert "corrupt" in caplog.text and b.entries() == []
+        report = b.verify()
+        assert sorted(report.lost) == sorted(ids) and not report.ok
+        (line,) = report.recoveries
+        assert "damaged schema text" in line and "3 with blobs on disk" in line
+        assert b.load(b.admit(_spec()), [VIDEO]) is not None  # and the store works again
+        assert b.verify().ok
+
+
+@pytest.mark.parametrize("how", ["deleted", "emptied"])
+def test_lost_database_is_reported_by_verify_and_the_cli(tmp_path, capsys, how):
+    """bank.sqlite deleted (or truncated to nothing) silently started an empty store and verify said ok. Now the
+    recreation is journalled and the blobs without rows are reported as lost; `cache verify` exits 1."""
+    root = tmp_path / "bank"
+    with CacheBank(root) as b:
+        ids = sorted(b.admit(_spec(prompt=f"p{i}")) for i in range(4))
+    db = root / DB_FILE
+    if how == "deleted":
+        db.unlink()
+    else:
+        db.write_bytes(b"")
+    assert main(["cache", "verify", "--cache-dir", str(root)]) == 1
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert f"lost: 4 entries whose metadata is gone ({', '.join(ids)})" in out
+    assert any(line.strip().startswith("recovered:") and f"was {'missing' if how == 'deleted' else 'emptied'}" in line
+               and "4 with blobs on disk" in line for line in lines)
+    assert lines[-1] == "2 problem(s) found; repaired"
+    assert main(["cache", "verify", "--cache-dir", str(root)]) == 0  # reported once; the lost blobs are gone
+    assert capsys.readouterr().out.strip().endswith("ok") and not list((root / BLOB_DIR).iterdir())
+    events = [json.loads(x) for x in (root / JOURNAL_FILE).read_text().splitlines() if x.strip()]
+    assert [e.get("event") for e in events if "event" in e] == ["missing" if how == "deleted" else "emptied"]
+
+
+_COMMIT_AND_DIE = """
+    import os, sys
+    import numpy as np, torch
+    from carnator.cache import CacheBank, StoreSpec
+    bank = CacheBank(sys.argv[1])
+    bank._db.conn.execute("PRAGMA wal_autocheckpoint = 0")  # keep every commit in the WAL, as a busy store does
+    for i in range(int(sys.argv[2])):
+        print(bank.admit(StoreSpec(tenant="t", compat_key="k", prompt=f"p{i}", embedding=np.ones(2, np.float32),
+                                   tensors={"x": torch.full((64,), float(i))})), flush=True)
+    os._exit(0)  # like kill -9 once committed: no checkpoint, the rows live in bank.sqlite-wal only
+"""
+
+
+@pytest.mark.parametrize("damage", ["delete-wal", "garble-wal"])
+def test_lost_wal_is_reported_as_lost_entries(tmp_path, damage):
+    root = tmp_path / "bank"
+    with CacheBank(root) as b:
+        kept = b.admit(_spec())  # checkpointed into bank.sqlite when b closes
+    done = _python(_COMMIT_AND_DIE, root, 3)
+    assert done.returncode == 0, done.stderr
+    committed = sorted(done.stdout.split())
+    wal = Path(f"{root / DB_FILE}-wal")
+    assert wal.stat().st_size > 0
+    if damage == "delete-wal":
+        wal.unlink()
+    else:
+        raw = bytearray(wal.read_bytes())
+        for i in range(32, len(raw), 97):  # frame headers and pages: checksums no longer match
+            raw[i] ^= 0x5A
+        wal.write_bytes(bytes(raw))
+    with CacheBank(root) as b:
+        assert [e.id for e in b.entries()] == [kept]  # SQLite dropped the WAL's commits...
+        report = b.verify()
+        assert report.lost == committed and not report.ok  # ...and verify says so
+        assert b.verify().ok
+
+
+# -- hardening: disk full ---------------------------------------------------------------------------
+
+
+def test_disk_full_in_sqlite_fails_admit_cleanly_and_touch_not_at_all(bank, caplog):
+    """SQLite's max_page_count makes it report "database or disk is full" for real."""
+    first = bank.admit(_spec(exact_key="first"))
+    conn = bank._db.conn
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count = {pages}")
+    with pytest.raises(CacheError, match="full"):
+        for i in range(200):  # new rows need new pages soon
+            bank.admit(_spec(prompt="p" * 2000 + str(i)))
+    staged = [p for p in (bank.root / BLOB_DIR).iterdir() if p.name.endswith(".part")]
+    assert staged == []  # the refused admission left nothing behind
+    assert all(bank.load(e.id) is not None for e in bank.entries())  # what is there is whole
+    assert bank.touch(first) in (True, False)  # never raises
+    conn.execute("PRAGMA max_page_count = 1073741823")
+    assert bank.load(bank.admit(_spec(prompt="after")), [VIDEO]) is not None
+
+
+def test_blob_write_enospc_raises_cache_error_and_leaves_nothing(bank, monkeypatch):
+    def full(name):
+        if name == "blob_write":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_faults, "fault_point", full)
+    with pytest.raises(CacheError, match="No space left"):
+        bank.admit(_spec())
+    assert list((bank.root / BLOB_DIR).iterdir()) == [] and len(bank) == 0
+
+
+def test_touch_on_a_locked_database_returns_false_with_one_warning(tmp_path, caplog):
+    with CacheBank(tmp_path / "bank", busy_timeout_s=0.2) as b:
+        entry = b.admit(_spec())
+        other = sqlite3.connect(tmp_path / "bank" / DB_FILE, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        try:
+            with caplog.at_level(logging.DEBUG, logger="carnator.cache"):
+                t0 = time.monotonic()
+                assert b.touch(entry) is False and b.touch(entry) is False
+                assert time.monotonic() - t0 < 5
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "could not record a use" in r.getMessage()]
+        assert len(warnings) == 1  # once, then DEBUG
+        assert b.touch(entry) and b.get(entry).use_count == 1
+
+
+# -- hardening: duplicate work --------------------------------------------------------------------
+
+
+def _flight_worker(root: str, log_path: str, hold_s: float, barrier) -> None:
+    with CacheBank(root) as b:
+        barrier.wait(60)  # all arrive at once, as the duplicate requests did
+        with b.single_flight("t", "same-request", timeout_s=60) as waited:
+            _hold(log_path, hold_s, waited)
+
+
+def _hold(log_path: str, hold_s: float, waited: bool) -> None:
+    """The body only one process may run at a time: stands for generating the request."""
+    start = time.time()
+    time.sleep(hold_s)
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "start": start, "end": time.time(), "waited": waited}) + "\n")
+
+
+def _die_holding(root: str) -> None:
+    b = CacheBank(root)
+    cm = b.single_flight("t", "same-request", timeout_s=600)
+    cm.__enter__()
+    os._exit(0)  # dies holding the lease
+
+
+@pytest.mark.slow
+def test_single_flight_runs_one_holder_at_a_time_across_processes(tmp_path):
+    """The same request arriving at once in several processes was generated by each. With single_flight only one
+    holds the right at a time; the others are told they waited (and look the exact key up again)."""
+    root = str(tmp_path / "bank")
+    CacheBank(root).close()
+    log_path = tmp_path / "flights.jsonl"
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(3)
+    procs = [ctx.Process(target=_flight_worker, args=(root, str(log_path), 0.4, barrier)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    rows = sorted((json.loads(x) for x in log_path.read_text().splitlines()), key=lambda r: r["start"])
+    assert len(rows) == 3
+    for before, after in zip(rows, rows[1:], strict=False):
+        assert after["start"] >= before["end"] - 0.01  # never two holders at once
+    assert [r["waited"] for r in rows] == [False, True, True]  # the first ran; the other two waited for it
+    # A holder that died (its pid is gone) does not block the next caller for the lease's 600 s.
+    dead = ctx.Process(target=_die_holding, args=(root,))
+    dead.start()
+    dead.join(60)
+    with CacheBank(root) as b:
+        t0 = time.monotonic()
+        with b.single_flight("t", "same-request", timeout_s=30) as waited:
+            assert time.monotonic() - t0 < 5
+        assert waited is False  # taken over at once: nobody was really running it
+
+
+def test_single_flight_between_threads_and_expired_leases(bank):
+    import threading
+
+    order: list[str] = []
+    entered = threading.Event()
+
+    def holder():
+        with bank.single_flight("t", "k1", timeout_s=30):
+            entered.set()
+            time.sleep(0.3)
+            order.append("holder done")
+
+    th = threading.Thread(target=holder)
+    th.start()
+    entered.wait(5)
+    with bank.single_flight("t", "k1", timeout_s=30) as waited:
+        order.append("waiter in")
+    th.join()
+    assert order == ["holder done", "waiter in"] and waited is True
+    # A lease past its expiry (a holder stuck or gone elsewhere) is taken over.
+    with bank._db.write() as conn:
+        conn.execute("INSERT INTO leases VALUES ('t', 'k2', 'someone', 'another-host', 1, ?)", (time.time() - 1,))
+    with bank.single_flight("t", "k2", timeout_s=30) as waited:
+        assert waited is False
+    # Waiting past timeout_s enters anyway (warning): a stuck peer never blocks a request forever.
+    with bank._db.write() as conn:
+        conn.execute("INSERT INTO leases VALUES ('t', 'k3', 'someone', 'another-host', 1, ?)", (time.time() + 600,))
+    t0 = time.monotonic()
+    with bank.single_flight("t", "k3", timeout_s=0.3) as waited:
+        assert waited is True and 0.25 <= time.monotonic() - t0 < 5
+
+
+# -- hardening: tenant scoping --------------------------------------------------------------------
+
+
+def test_stats_and_verify_are_scoped_to_a_tenant(bank, capsys):
+    a = bank.admit(_spec(tenant="a"))
+    b = bank.admit(_spec(tenant="b"))
+    _blob(bank, a).write_bytes(b"garbage")
+    st = bank.stats("b")
+    assert (st.count, list(st.tenants)) == (1, ["b"]) and st.bytes == bank.get(b).nbytes
+    report = bank.verify(tenant="b")
+    assert report.ok and report.checked == 1 and report.tenant == "b"
+    assert bank.get(a) is not None  # a's entry was not b's to check or touch
+    assert main(["cache", "stats", "--cache-dir", str(bank.root), "--tenant", "b"]) == 0
+    out = capsys.readouterr().out
+    assert "tenant b: 1 entries" in out and "tenant a" not in out
+    assert bank.verify().quarantined == [a]
+
+
+# -- hardening: read-only directories ---------------------------------------------------------------
+
+
+def _write_probe_fails(directory: Path) -> bool:
+    try:
+        (directory / ".probe").write_text("x")
+    except OSError:
+        return True
+    (directory / ".probe").unlink()
+    return False
+
+
+def _filled(root: Path) -> dict[str, str]:
+    with CacheBank(root) as b:
+        ids = {"good": b.admit(_spec([1, 0], exact_key="e")), "bad": b.admit(_spec([0, 1], exact_key="f"))}
+    _blob_path = root / BLOB_DIR / blob_key(ids["bad"], "video")
+    raw = bytearray(_blob_path.read_bytes())
+    raw[-1] ^= 0xFF
+    _blob_path.write_bytes(bytes(raw))
+    return ids
+
+
+def _exercise_read_only(root: Path) -> dict:
+    """What a read-only bank does; run in this process and (as a non-root user) in a child."""
+    logging.basicConfig(level=logging.WARNING)
+    with CacheBank(root) as b:
+        hit = b.lookup_exact("t", "e")
+        video = b.load(hit.id, [VIDEO])[VIDEO]
+        bad = b.lookup_exact("t", "f")
+        report = b.verify()
+        out = {
+            "read_only": b.read_only,
+            "entries": len(b.entries()),
+            "stats": b.stats().count,
+            "video_ok": bool(np.array_equal(video.numpy(), VID)),
+            "recall": [m.id for m, _ in b.recall("t", "k", [1, 0])],
+            "bad_load": b.load(bad.id, [VIDEO]) is None,
+            "bad_still_listed": b.get(bad.id) is not None,
+            "verify_quarantined": report.quarantined,
+            "verify_read_only": report.read_only,
+            "verify_ok": report.ok,
+            "admit": b.admit(_spec()),
+            "admit_again": b.admit(_spec()),
+            "touch": b.touch(hit.id),
+        }
+        for action in (lambda: b.configure(capacity_bytes=1000), lambda: b.clear(), lambda: b.evict([hit.id])):
+            try:
+                action()
+                out.setdefault("refused", []).append(False)
+            except CacheError as exc:
+                out.setdefault("refused", []).append("read-only" in str(exc))
+    return out
+
+
+def _check_read_only_outcome(out: dict, ids: dict[str, str]) -> None:
+    assert out["read_only"] and out["entries"] == 2 and out["stats"] == 2 and out["video_ok"]
+    assert out["recall"] == [ids["good"], ids["bad"]]
+    assert out["bad_load"] and out["bad_still_listed"]  # a miss, nothing repaired
+    assert out["verify_quarantined"] == [ids["bad"]] and out["verify_read_only"] and not out["verify_ok"]
+    assert out["admit"] is None and out["admit_again"] is None and out["touch"] is False
+    assert out["refused"] == [True, True, True]
+
+
+def test_read_only_directory_serves_and_reports_without_repairing(tmp_path, caplog):
+    """A read-only cache directory could not even be listed. chmod -R a-w: it opens read-only and serves. As root,
+    chmod does not stop writes (the probe shows it), so the bank's own check of the permission bits is what puts it
+    in read-only mode there; the child below exercises a real permission denial as an unprivileged user."""
+    root = tmp_path / "bank"
+    ids = _filled(root)
+    before = {p.name: p.stat().st_mtime_ns for p in (root / BLOB_DIR).iterdir()}
+    subprocess.run(["chmod", "-R", "a-w", str(root)], check=True)
+    try:
+        assert _write_probe_fails(root) == (os.geteuid() != 0)  # as root, chmod stops nothing: the bank checks the bits
+        with caplog.at_level(logging.WARNING, logger="carnator.cache"):
+            out = _exercise_read_only(root)
+        _check_read_only_outcome(out, ids)
+        assert sum("read-only: results are not stored" in r.getMessage() for r in caplog.records) == 1  # one warning
+        assert {p.name: p.stat().st_mtime_ns for p in (root / BLOB_DIR).iterdir()} == before  # nothing moved
+        assert not list((root / QUARANTINE_DIR).iterdir())
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(root)], check=True)
+    # Explicitly read-only (e.g. a snapshot someone shares) works on a writable directory too.
+    with CacheBank(root, read_only=True) as b:
+        assert b.read_only and b.admit(_spec()) is None and len(b) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run the child as an unprivileged user (as a normal user, the "
+                           "in-process test above already meets real permission denials)")
+def test_read_only_directory_for_an_unprivileged_user(tmp_path):
+    """As root, chmod does not stop writes; run the same checks as user nobody, for whom it does (SQLite then cannot
+    even create its -shm file, so the bank reads the database as immutable)."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="carnator-ro-"))  # tmp_path's parents are closed to other users
+    try:
+        os.chmod(base, 0o755)
+        root = base / "bank"
+        ids = _filled(root)
+        subprocess.run(["chmod", "-R", "a-w", str(root)], check=True)
+        code = f"""
+            import json, sys
+            sys.path[:0] = {[str(Path(__file__).resolve().parent), *sys.path]!r}
+            from test_cache_store import _exercise_read_only
+            from pathlib import Path
+            print(json.dumps(_exercise_read_only(Path({str(root)!r}))))
+        """
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                              textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                             cwd=str(Path(__file__).resolve().parent.parent), env={**_env(), "HOME": str(base)})
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        _check_read_only_outcome(out, ids)
+        assert sorted(os.listdir(root)) == sorted(["VERSION", DB_FILE, BLOB_DIR, QUARANTINE_DIR])  # wrote nothing
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(base)], check=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# -- the CLI ----------------------------------------------------------------------------------------
+
+
+def test_cache_config_cli(tmp_path, capsys):
+    root = tmp_path / "bank"
+    with CacheBank(root) as b:
+        for i in range(3):
+            b.admit(_spec(prompt=f"p{i}"))
+        size = b.entries()[0].nbytes
+    assert main(["cache", "config", "--cache-dir", str(root)]) == 0
+    assert "capacity: unbounded  eviction: lru" in capsys.readouterr().out
+    assert main(["cache", "config", "--cache-dir", str(root), "--capacity", str(2 * size), "--eviction", "lcbfu"]) == 0
+    assert f"capacity: {2 * size} B" in capsys.readouterr().out
+    assert main(["cache", "stats", "--cache-dir", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "entries: 2" in out and f"capacity: {2 * size} B" in out and "eviction: lcbfu" in out  # evicted at once
+    assert main(["cache", "config", "--cache-dir", str(root), "--capacity", "2GiB"]) == 0
+    assert "capacity: 2147483648 B (2.1 GB)" in capsys.readouterr().out
+    assert main(["cache", "config", "--cache-dir", str(root), "--capacity", "40MB"]) == 0
+    assert "capacity: 40000000 B (40.0 MB)  eviction: lcbfu" in capsys.readouterr().out
+    assert main(["cache", "config", "--cache-dir", str(root), "--capacity", "none"]) == 0
+    assert "capacity: unbounded" in capsys.readouterr().out
+    for bad in ("lots", "-5MB", "0", "12XB"):
+        assert main(["cache", "config", "--cache-dir", str(root), f"--capacity={bad}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("carnator: error: --capacity: expected a size") or "more than 0" in err[0]
+    assert main(["cache", "ls", "--cache-dir", str(root), "--capacity", "1MB"]) == 2
+    assert "go with `carnator cache config`" in capsys.readouterr().err
