@@ -291,6 +291,29 @@ def test_cache_ls_stats_verify_clear(capsys, model_dir, tmp_path, cache):
     assert not list((cache / "blobs").glob("*.safetensors"))
 
 
+def test_generate_capacity_is_the_caches_own(capsys, model_dir, tmp_path, cache):
+    """A CLI generate grew a 40 MB-capped folder to 52.5 MB while `cache stats` said "unbounded": the cap was the
+    opener's. ``--capacity`` now stores it in the cache: later runs without it keep the bound, and stats tells it."""
+    _populate(capsys, model_dir, tmp_path, cache, "default", 1)
+    code, out, _ = run(capsys, "cache", "stats", "--cache-dir", cache)
+    size = int(out.split("bytes: ")[1].split()[0])
+    cap = size + size // 2  # room for one entry, not two
+    code, out, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--seed", 2,
+                         "--out", tmp_path / "b.gif", "--capacity", cap, "--json")
+    assert code == 0, err
+    second = json.loads(out)["entry_id"]
+    _populate(capsys, model_dir, tmp_path, cache, "default", 3)  # no --capacity: the stored bound holds
+    code, out, _ = run(capsys, "cache", "stats", "--cache-dir", cache)
+    assert "entries: 1" in out and f"capacity: {cap} B" in out and "eviction: lru" in out
+    assert int(out.split("bytes: ")[1].split()[0]) <= cap
+    code, out, _ = run(capsys, "cache", "ls", "--cache-dir", cache)
+    assert second not in out and "seed=3" in out
+    code, _, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--capacity", "none")
+    assert_user_error(code, err, "--capacity none", "cache config")
+    code, _, err = run(capsys, "generate", PROMPT, *TINY, "--model", model_dir, "--cache-dir", cache, "--capacity", "lots")
+    assert_user_error(code, err, "--capacity", "expected a size")
+
+
 def test_cache_dir_from_environment(capsys, model_dir, tmp_path, monkeypatch):
     env_cache = tmp_path / "env-cache"
     monkeypatch.setenv("CARNATOR_CACHE_DIR", str(env_cache))
