@@ -62,6 +62,18 @@ class HunyuanVideoAdapter(BackboneAdapter):
     def defaults(self) -> GenerationDefaults:
         return GenerationDefaults(num_inference_steps=50, num_frames=129, height=720, width=1280, guidance_scale=6.0)
 
+    def limits(self):
+        """The shared bounds; the text limit is the Llama sequence the transformer sees: the templated prompt after
+        the crop, ``max_sequence_length`` tokens (the CLIP encoder's pooled vector reads fewer, 77)."""
+        from ..request import RequestLimits
+
+        tok = self.pipe.tokenizer
+
+        def count(text: str) -> int:
+            return len(tok(self.prompt_template["template"].format(text))["input_ids"]) - self._crop_start()
+
+        return RequestLimits(max_prompt_tokens=self.max_sequence_length, count_tokens=count)
+
     # geometry ---------------------------------------------------------------------------------
     @property
     def _patch(self) -> tuple[int, int]:
