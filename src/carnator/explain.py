@@ -47,8 +47,9 @@ class Outcome:
     steps: int  # the request's denoising steps
     steps_computed: int  # steps whose DiT forwards ran (a hit: its probe and the steps after its resume step)
     dit_forwards: int
-    source_id: str | None = None
-    source_prompt: str | None = None
+    source_id: str | None = None  # a hit's source entry
+    tested_id: str | None = None  # a miss's: the cached candidate its compatibility test tried and refused
+    source_prompt: str | None = None  # of the source, or of the tested candidate
     source_seed: int | None = None
     checks: list[Check] = field(default_factory=list)
     risk: tuple[float, float] | None = None  # (risk score, its threshold) of a hit under a risk rule
@@ -61,7 +62,7 @@ class Outcome:
         return {
             "decision": self.decision, "reason": self.reason, "steps": self.steps, "steps_computed": self.steps_computed,
             "steps_saved": self.steps_saved, "dit_forwards": self.dit_forwards, "source_id": self.source_id,
-            "source_prompt": self.source_prompt, "source_seed": self.source_seed,
+            "tested_id": self.tested_id, "source_prompt": self.source_prompt, "source_seed": self.source_seed,
             "checks": [{"name": c.name, "value": _json_num(c.value), "threshold": _json_num(c.threshold), "passed": c.passed} for c in self.checks],
             "risk": None if self.risk is None else {"value": self.risk[0], "threshold": self.risk[1]},
         }
@@ -114,6 +115,15 @@ def describe(engine, res) -> Outcome:
             tau = _thresholds(engine, s.policy)
             rule = f" (risk threshold {tau.risk.threshold:.3f})" if tau is not None and tau.risk is not None else ""
             out.reason = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; none passed the compatibility test{rule}"
+            failed = _first_tested(engine, res, k)
+            if failed is not None:
+                meta, out.checks, out.risk = failed
+                out.tested_id, out.source_prompt, out.source_seed = meta.id, meta.prompt, meta.seed
+                what = _source_text(Outcome("", "", 0, 0, 0, source_id=meta.id, source_prompt=meta.prompt, source_seed=meta.seed))
+                verdict = (f"risk {out.risk[0]:.3f} {'<=' if out.risk[0] <= out.risk[1] else '>'} {out.risk[1]:.3f} ("
+                           if out.risk is not None else "(")
+                out.reason = (f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; the first, {what}, failed the "
+                              f"compatibility test: {verdict}{', '.join(c.text() for c in out.checks)})")
     elif "similarity" in notes:
         out.reason = f"the nearest cached request (similarity {float(notes['similarity']):.3f}) was not reused"
     else:
@@ -153,3 +163,36 @@ def _checks(engine, policy: str, notes: dict) -> tuple[list[Check], tuple[float,
 
         risk = (float(tau.risk.risk(Discrepancies.from_dict(d))), float(tau.risk.threshold))
     return checks, risk
+
+
+def _first_tested(engine, res, count: int):
+    """For a miss of the carnator policy: the first candidate its compatibility test tried (recall order, through the
+    noun filter), with its discrepancies against the thresholds; None where that cannot be re-derived.
+
+    The policy keeps only the count of candidates in its notes, so the candidates are recalled again from the cache
+    (the request's own new entry left out) and their discrepancies recomputed with the policy's own functions and
+    config; the result is used only when the count of candidates found equals the policy's."""
+    from .reuse import discrepancies, noun_diff
+    from .signature import EarlySignature
+    from .signature.nouns import extract_nouns
+
+    s, req = res.stats, res.request
+    pol = engine.policy(s.policy)
+    cfg = getattr(pol, "cfg", None)
+    sig = (s.notes or {}).get("signature")
+    if cfg is None or not hasattr(cfg, "compat") or not isinstance(sig, dict):
+        return None
+    recalled = engine.bank.recall(req.tenant, engine.compat_key(req), engine.embedder(req.prompt), k=cfg.top_k + 1)
+    recalled = [(m, sc) for m, sc in recalled if m.id != s.entry_id][: cfg.top_k]
+    nouns = extract_nouns(req.prompt)
+    candidates = []
+    for meta, score in recalled:
+        diff = noun_diff(nouns, meta.extra.get("nouns", []))
+        if diff is not None and "signature" in meta.extra:
+            candidates.append((meta, score, diff))
+    if len(candidates) != count:
+        return None
+    meta, score, diff = candidates[0]
+    d = discrepancies(EarlySignature.from_dict(sig), EarlySignature.from_dict(meta.extra["signature"]), diff, cfg.compat, similarity=score)
+    checks, risk = _checks(engine, s.policy, {"discrepancies": d.to_dict()})
+    return meta, checks, risk
