@@ -720,6 +720,13 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:  # anywhere, start-up (imports, model loading) included: no traceback
         print("carnator: interrupted", file=sys.stderr)
+        if argv is None:
+            # The program itself (the console script, python -m): leave now with 130. An interrupt that passed through
+            # an extension's embedded eval during start-up (torch's import) marks the interpreter, which would
+            # otherwise end itself by SIGINT at exit however the exception was handled.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
 
 
