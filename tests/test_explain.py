@@ -45,6 +45,7 @@ def test_a_hit_names_its_source_and_the_policys_numbers(stream):
     risk, threshold = why.risk
     assert risk <= threshold == eng.policy("carnator").thresholds(eng).risk.threshold
     assert why.reason.startswith(f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1): risk {risk:.3f} <= ")
+    assert why.headline == f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1); resumed at step 30 of {STEPS}"
     # the re-derivation a miss's reason uses gives, on this hit, the discrepancies the policy decided on
     meta, checks, rerisk = reroll.rederived
     assert meta.id == first.stats.entry_id and [(c.name, c.value) for c in checks] == [(c.name, c.value) for c in why.checks]
@@ -62,3 +63,4 @@ def test_a_miss_names_the_candidate_refused_and_why(stream):
     assert {c.name for c in why.checks} == {"context", "text"}
     assert why.reason.startswith(f"2 cached candidates with matching nouns; the first, entry {why.tested_id[:8]} (")
     assert f"failed the compatibility test: risk {risk:.3f} > {threshold:.3f} (" in why.reason
+    assert why.reason.startswith(why.headline + ": risk ") and why.headline.endswith("failed the compatibility test")

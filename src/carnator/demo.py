@@ -43,9 +43,11 @@ COMPARISON = (
 )
 
 
-def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = None, progress=print) -> list[dict]:
-    """Run :data:`STREAM` on ``engine`` through ``policy``; write the clips, ``demo.json`` and ``index.html`` to ``out``.
-    Returns the per-request rows (``demo.json``'s ``requests``)."""
+def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = None, progress=print,
+             stream: list[tuple[str, int]] | None = None) -> list[dict]:
+    """Run ``stream`` (default :data:`STREAM`) on ``engine`` through ``policy``; write the clips, ``demo.json`` and
+    ``index.html`` to ``out``. Returns the per-request rows (``demo.json``'s ``requests``)."""
+    stream = STREAM if stream is None else list(stream)
     from .explain import describe
     from .video import write_video
 
@@ -62,13 +64,13 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
     progress("each request is followed by a dense run of the same request (same prompt and seed, nothing reused or stored); "
              "speedups compare the two under the same load")
     # One-time costs (model kernels, the recall embedder) are paid before anything is timed; seed 0 is outside the stream.
-    first = STREAM[0][0]
+    first = stream[0][0]
     engine.generate(first, seed=0, policy="dense", num_inference_steps=2, store=False, reuse=False)
     engine.embedder(first)
 
     rows: list[dict] = []
     made_by: dict[str, int] = {}  # cache entry id -> the request of this run that stored it
-    for i, (prompt, seed) in enumerate(STREAM):
+    for i, (prompt, seed) in enumerate(stream):
         res = engine.generate(prompt, seed=seed, policy=policy, num_inference_steps=steps)
         ref = engine.generate(prompt, seed=seed, policy="dense", num_inference_steps=steps, store=False, reuse=False)
         s, why = res.stats, describe(engine, res)
@@ -89,7 +91,7 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
         t, td = round(s.timings["total"], 3), round(ref.stats.timings["total"], 3)  # ms: what demo.json and the page show
         diff = float(np.abs(res.frames.astype(np.int16) - ref.frames.astype(np.int16)).mean())
         row = {
-            "i": i, "prompt": prompt, "seed": seed, "decision": why.decision, "reason": why.reason,
+            "i": i, "prompt": prompt, "seed": seed, "decision": why.decision, "reason": why.reason, "headline": why.to_dict()["headline"],
             "hit": s.hit, "exact": s.exact_hit, "source": s.source_id, "tested": why.tested_id, "source_request": src_row,
             "source_prompt": why.source_prompt, "source_seed": why.source_seed, "source_gif": src_gif,
             "resume_step": s.resume_step, "mask_density": s.mask_density, "active_fraction": s.active_fraction,
@@ -171,7 +173,7 @@ def render_page(doc: dict) -> str:
         f"<p class=note>{esc(doc['comparison'])}</p>"
         f"<h2>Cumulative time</h2>{cumulative_plot(rows)}"
         "<h2>Requests</h2><table id=requests><thead><tr><th class=num>#</th><th>request</th><th>decision and reason</th>"
-        "<th class=num>seconds</th><th class=num>dense s</th><th class=num>speedup</th><th class=num>steps computed</th>"
+        "<th class=num>seconds</th><th class=num>dense</th><th class=num>speedup</th><th class=num>steps computed</th>"
         f"<th>clips: this request, dense, the source (a miss: the candidate refused)</th></tr></thead><tbody>{body}</tbody></table></html>\n"
     )
 
@@ -180,20 +182,18 @@ def _row_html(r: dict) -> str:
     esc = html.escape
     kind = r["decision"].replace(" ", "-")
     checks = ""
-    if r["checks"] or r["risk"]:
-        items = []
-        if r["risk"]:
-            ok = r["risk"]["value"] <= r["risk"]["threshold"]
-            items.append(f"<li class={'pass' if ok else 'fail'}>risk score {r['risk']['value']:.3f} {'&le;' if ok else '&gt;'} "
-                         f"{r['risk']['threshold']:.3f}</li>")
-        for c in r["checks"]:
-            v = c["value"] if isinstance(c["value"], str) else f"{c['value']:.2f}"
-            if c["threshold"] is None:
-                items.append(f"<li>{esc(c['name'])} {v} ({'enters the risk score' if r['risk'] else 'no threshold'})</li>")
-            else:
-                th = c["threshold"] if isinstance(c["threshold"], str) else f"{c['threshold']:.2f}"
-                items.append(f"<li class={'pass' if c['passed'] else 'fail'}>{esc(c['name'])} {v} {'&le;' if c['passed'] else '&gt;'} {th}</li>")
-        checks = f"<ul class=checks>{''.join(items)}</ul>"
+    if r["risk"]:  # a risk rule decides: the score against its threshold, from every discrepancy
+        ok = r["risk"]["value"] <= r["risk"]["threshold"]
+        dims = ", ".join(f"{esc(c['name'])} {_fmt(c['value'])}" for c in r["checks"])
+        checks = (f"<ul class=checks><li class={'pass' if ok else 'fail'}>risk score {r['risk']['value']:.3f} "
+                  f"{'&le;' if ok else '&gt;'} {r['risk']['threshold']:.3f}</li><li>from {dims}</li></ul>")
+    elif r["checks"]:  # one threshold per discrepancy
+        items = "".join(
+            f"<li>{esc(c['name'])} {_fmt(c['value'])} (off)</li>" if c["threshold"] is None else
+            f"<li class={'pass' if c['passed'] else 'fail'}>{esc(c['name'])} {_fmt(c['value'])} {'&le;' if c['passed'] else '&gt;'} {_fmt(c['threshold'])}</li>"
+            for c in r["checks"]
+        )
+        checks = f"<ul class=checks>{items}</ul>"
     src = ""
     if r["source"] or r["tested"]:
         who = f"request {r['source_request']}" if r["source_request"] is not None else "an earlier run"
@@ -207,11 +207,15 @@ def _row_html(r: dict) -> str:
     return (
         f"<tr class='{kind}' data-i='{r['i']}'><td class=num>{r['i']}</td>"
         f"<td class=request>{esc(r['prompt'])}<br><small>seed {r['seed']}</small></td>"
-        f"<td class=reason><span class='decision {kind}'>{esc(r['decision'])}</span>: {esc(r['reason'])}{checks}</td>"
+        f"<td class=reason><span class='decision {kind}'>{esc(r['decision'])}</span>: {esc(r['headline'])}{checks}</td>"
         f"<td class='num seconds'>{r['seconds']:.2f}</td><td class='num dense-seconds'>{r['dense_seconds']:.2f}</td>"
         f"<td class='num speedup'>x{r['speedup']}</td>"
         f"<td class='num steps'>{r['steps_computed']} of {r['steps']}</td><td class=clips>{clips}</td></tr>"
     )
+
+
+def _fmt(v) -> str:
+    return v if isinstance(v, str) else f"{v:.2f}"
 
 
 def cumulative_plot(rows: list[dict], width: int = 640, height: int = 280) -> str:

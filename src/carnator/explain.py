@@ -43,7 +43,7 @@ class Outcome:
     """What happened to one request, for people."""
 
     decision: str  # "exact hit", "hit" or "miss"
-    reason: str
+    reason: str  # why, with the numbers (generate's line)
     steps: int  # the request's denoising steps
     steps_computed: int  # steps whose DiT forwards ran (a hit: its probe and the steps after its resume step)
     dit_forwards: int
@@ -53,6 +53,7 @@ class Outcome:
     source_seed: int | None = None
     checks: list[Check] = field(default_factory=list)
     risk: tuple[float, float] | None = None  # (risk score, its threshold) of a hit under a risk rule
+    headline: str = ""  # the reason without the numbers of ``checks`` and ``risk`` (the page lists them beside it)
 
     @property
     def steps_saved(self) -> int:
@@ -60,7 +61,7 @@ class Outcome:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "decision": self.decision, "reason": self.reason, "steps": self.steps, "steps_computed": self.steps_computed,
+            "decision": self.decision, "reason": self.reason, "headline": self.headline or self.reason, "steps": self.steps, "steps_computed": self.steps_computed,
             "steps_saved": self.steps_saved, "dit_forwards": self.dit_forwards, "source_id": self.source_id,
             "tested_id": self.tested_id, "source_prompt": self.source_prompt, "source_seed": self.source_seed,
             "checks": [{"name": c.name, "value": _json_num(c.value), "threshold": _json_num(c.threshold), "passed": c.passed} for c in self.checks],
@@ -93,6 +94,7 @@ def describe(engine, res) -> Outcome:
         out.reason = f"the same request as {src}: its stored video"
     elif s.hit:
         out.checks, out.risk = _checks(engine, s.policy, notes)
+        out.headline = f"compatible with {src}; resumed at step {s.resume_step} of {n}"
         if out.risk is not None:
             passed = f"risk {out.risk[0]:.3f} <= {out.risk[1]:.3f}"
             dims = ", ".join(c.text() for c in out.checks)
@@ -103,6 +105,8 @@ def describe(engine, res) -> Outcome:
             out.reason = f"similar to {src} (similarity {float(notes['similarity']):.3f}); resumed at step {s.resume_step} of {n}"
         else:
             out.reason = f"reused {src} from step {s.resume_step} of {n}"
+        if not out.checks:
+            out.headline = out.reason
     elif s.policy == "dense":
         out.reason = "the dense policy reuses nothing"
     elif "fallback" in notes:
@@ -122,8 +126,8 @@ def describe(engine, res) -> Outcome:
                 what = _source_text(Outcome("", "", 0, 0, 0, source_id=meta.id, source_prompt=meta.prompt, source_seed=meta.seed))
                 verdict = (f"risk {out.risk[0]:.3f} {'<=' if out.risk[0] <= out.risk[1] else '>'} {out.risk[1]:.3f} ("
                            if out.risk is not None else "(")
-                out.reason = (f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; the first, {what}, failed the "
-                              f"compatibility test: {verdict}{', '.join(c.text() for c in out.checks)})")
+                out.headline = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; the first, {what}, failed the compatibility test"
+                out.reason = f"{out.headline}: {verdict}{', '.join(c.text() for c in out.checks)})"
     elif "similarity" in notes:
         out.reason = f"the nearest cached request (similarity {float(notes['similarity']):.3f}) was not reused"
     else:
