@@ -15,10 +15,65 @@ from pathlib import Path
 
 from .errors import CarnatorError
 
+#: the policies ``--policy`` offers (the registry's names, :func:`carnator.policies.policy_names`; a test keeps them
+#: equal): listed here so that parsing a command line does not import the policies (torch, scipy)
+POLICIES = ("carnator", "dense", "nirvana", "chorus", "chorus2")
+#: the eviction policies (:func:`carnator.cache.eviction_policies`; a test keeps them equal), for the same reason
+EVICTIONS = ("lru", "lcbfu")
 
-def _add_gen_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="embedded", help='"embedded" (default) or a local diffusers pipeline directory')
-    p.add_argument("--cache-dir", default=None, help="cache directory (default: $CARNATOR_CACHE_DIR or ~/.cache/carnator)")
+
+class _UsageError(CarnatorError):
+    """A command line argparse refuses; printed like every user mistake."""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help texts given as zero-argument callables are computed when shown: a command that does not show them does
+    not import what they describe (torch, the benchmark specs)."""
+
+    def _format_action(self, action):
+        if callable(action.help):
+            action.help = action.help()
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        return action.help() if callable(action.help) else action.help
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with carnator's one-line errors (``carnator: error: ...``, status 2; no usage block)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _embedded_default(key: str) -> str:
+    """The embedded model's default ``key`` (frames, size, num_inference_steps, guidance_scale), from its manifest."""
+    from importlib.resources import files
+
+    return str(json.loads(files("carnator").joinpath("embedded/weights.json").read_text())["config"][key])
+
+
+def _add_gen_args(p: argparse.ArgumentParser, cache_help: str | None = None) -> None:
+    p.add_argument("--model", default="embedded", help='"embedded" (default: the shapes-world model shipped inside carnator) or a local diffusers pipeline directory')
+    p.add_argument("--cache-dir", default=None, help=cache_help or "cache directory (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--capacity", default=None, metavar="SIZE",
                    help="bound the cache to SIZE (e.g. 40MB, 2GiB, 500000 bytes) before generating: stored in the cache, "
@@ -58,9 +113,54 @@ def _size_words(n: int | None) -> str:
     return f"{n} B"
 
 
+def _type_problem(value, hint) -> str | None:
+    """Why the JSON ``value`` does not fit the config field type ``hint`` (None: it fits, or the type is not checked)."""
+    import dataclasses
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        problems = [_type_problem(value, a) for a in args]
+        if any(p is None for p in problems):
+            return None
+        return " or ".join(dict.fromkeys(p.split(", got ")[0] for p in problems if p)) + f", got {_json_type(value)}"
+    if hint is type(None):
+        return None if value is None else f"expected null, got {_json_type(value)}"
+    if origin is typing.Literal:
+        return None if value in args else f"expected one of {', '.join(map(repr, args))}, got {value!r}"
+    if hint is bool:
+        return None if isinstance(value, bool) else f"expected true or false, got {_json_type(value)}"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else f"expected an integer, got {_json_type(value)}"
+    if hint is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else f"expected a number, got {_json_type(value)}"
+    if hint is str:
+        return None if isinstance(value, str) else f"expected a string, got {_json_type(value)}"
+    if origin in (tuple, list):
+        return None if isinstance(value, list) else f"expected a JSON list, got {_json_type(value)}"
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            return f"expected a JSON object of {hint.__name__} fields, got {_json_type(value)}"
+        hints = typing.get_type_hints(hint)
+        for k, v in value.items():
+            if k not in hints:
+                return f"{hint.__name__} has no field {k!r}; its fields: {', '.join(hints)}"
+            problem = _type_problem(v, hints[k])
+            if problem:
+                return f"{k}: {problem}"
+    return None
+
+
+def _json_type(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
+            type(None): "null"}.get(type(value), type(value).__name__) + (f" ({value!r})" if isinstance(value, str) else "")
+
+
 def _policy_options(items: list[str]) -> dict[str, dict]:
     """``--option POLICY.FIELD=VALUE`` items as ``EngineConfig.policy_options``, each policy's config checked now."""
     import dataclasses
+    import typing
 
     from .policies import get_policy_class, policy_names
 
@@ -79,25 +179,34 @@ def _policy_options(items: list[str]) -> dict[str, dict]:
         klass = get_policy_class(name)
         if klass is None:
             raise CarnatorError(f"--option: unknown policy {name!r}; available: {', '.join(policy_names())}")
+        cfg = getattr(klass(), "cfg", None)
+        hints = typing.get_type_hints(type(cfg)) if dataclasses.is_dataclass(cfg) else {}
+        unknown = sorted(set(opts) - set(hints))
+        if unknown:
+            fields = ", ".join(hints) or "none"
+            raise CarnatorError(f"--option: {name} has no field {', '.join(unknown)}; its fields: {fields}")
+        for fld, value in opts.items():
+            problem = _type_problem(value, hints[fld])
+            if problem:
+                raise CarnatorError(f"--option {name}.{fld}: {problem}")
         try:
             klass(**opts)
-        except TypeError as e:
-            cfg = getattr(klass(), "cfg", None)
-            fields = ", ".join(f.name for f in dataclasses.fields(cfg)) if dataclasses.is_dataclass(cfg) else "none"
-            raise CarnatorError(f"--option: {name} does not take {', '.join(sorted(opts))} ({e}); its fields: {fields}") from None
-        except ValueError as e:
-            raise CarnatorError(f"--option: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise CarnatorError(f"--option {name}: {e}") from None
     return out
 
 
 def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
-    from .intra_cache import describe_kinds
+    def describe_kinds() -> str:
+        from .intra_cache import describe_kinds
+
+        return describe_kinds()
 
     p.add_argument(
         "--intra-cache", default=None, metavar="KIND[:OPT=VAL,...]",
-        help="also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
-             f"Kinds (options, defaults): {describe_kinds()}. Ranges are LO..HI; mag ratios R0/R1/... or @file.json. "
-             "See docs/METHOD.md.",
+        help=lambda: "also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
+                     f"Kinds (options, defaults): {describe_kinds()}. Ranges are LO..HI; mag ratios R0/R1/... or @file.json. "
+                     "See docs/METHOD.md.",
     )
 
 
@@ -126,13 +235,14 @@ def _engine(args):
 
 
 def cmd_generate(args) -> int:
-    from .video import write_video
+    from .video import check_fps, write_video
 
     out = Path(args.out)
     if out.suffix.lower() not in (".mp4", ".gif"):
         raise CarnatorError(f"--out must end in .mp4 or .gif, got {out.name!r}")
     if out.is_dir():
         raise CarnatorError(f"--out {str(out)!r} is a directory")
+    check_fps(args.fps, out)  # before the model loads
     eng = _engine(args)
     bar = None
 
@@ -158,31 +268,53 @@ def cmd_generate(args) -> int:
         write_video(res.frames, out, fps=args.fps)
     except OSError as e:
         raise CarnatorError(f"cannot write {out}: {e.strerror or e}") from e
-    s = res.stats
-    summary = {
-        "out": str(out), "frames": list(res.frames.shape), "policy": s.policy, "hit": s.hit, "exact_hit": s.exact_hit,
-        "source_id": s.source_id, "resume_step": s.resume_step, "entry_id": s.entry_id, "dit_forwards": s.dit_forwards,
-        "seconds": {k: round(v, 4) for k, v in s.timings.items()},
-    }
-    if s.notes:
-        summary["notes"] = s.notes
+    from .explain import describe
+
+    s, why = res.stats, describe(eng, res)
+    total = s.timings.get("total", 0.0)
     if args.json:
+        summary = {
+            "out": str(out), "frames": list(res.frames.shape), "policy": s.policy, "hit": s.hit, "exact_hit": s.exact_hit,
+            "source_id": s.source_id, "resume_step": s.resume_step, "entry_id": s.entry_id, "dit_forwards": s.dit_forwards,
+            "seconds": {k: round(v, 4) for k, v in s.timings.items()}, **why.to_dict(),
+        }
+        if s.notes:
+            summary["notes"] = s.notes
         print(json.dumps(summary, default=str))
-    else:
-        for k, v in summary.items():
+        return 0
+    saved = f" ({why.steps_saved} saved)" if why.steps_saved else ""
+    print(f"{why.decision}: {why.reason}; {total:.2f} s, {why.steps_computed} of {why.steps} steps computed{saved}; wrote {out}")
+    if args.verbose:
+        details = {
+            "frames": list(res.frames.shape), "policy": s.policy, "source_id": s.source_id, "resume_step": s.resume_step,
+            "entry_id": s.entry_id, "dit_forwards": s.dit_forwards, "active_fraction": s.active_fraction,
+            "mask_density": s.mask_density, "seconds": {k: round(v, 4) for k, v in s.timings.items()},
+        }
+        notes = dict(s.notes)
+        sig = notes.pop("signature", None)
+        if isinstance(sig, dict):  # the probe's reading: per noun its region (a base64 bit mask), size and colour
+            notes["signature"] = f"{len(sig.get('nouns', {}))} nouns: {', '.join(sig.get('nouns', {}))} (--json has the masks)"
+        details.update(notes)
+        for k, v in details.items():
             if isinstance(v, dict):
                 v = "  ".join(f"{kk}={vv}" for kk, vv in v.items())
-            print(f"{k}: {v}")
+            print(f"  {k}: {v}")
     return 0
 
 
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
+    out = Path(args.out)
+    fresh = args.cache_dir is None and not args.keep_cache
+    if args.cache_dir is None:  # the demo's own cache, so that a second run tells the same story
+        args.cache_dir = str(out / "cache")
     eng = _engine(args)
-    rows = run_demo(eng, Path(args.out), policy=args.policy, steps=args.steps)
+    if fresh:
+        eng.bank.clear()
+    rows = run_demo(eng, out, policy=args.policy, steps=args.steps)
     hits = sum(r["hit"] for r in rows)
-    print(f"{hits}/{len(rows)} requests reused cached work; clips and index.html in {args.out}")
+    print(f"{hits} of {len(rows)} requests reused cached work; the page: {out / 'index.html'}")
     return 0
 
 
@@ -458,9 +590,23 @@ def cmd_cache(args) -> int:
             print(f"cache: {bank.root}")
             print(f"capacity: {_size_words(settings[0])}  eviction: {settings[1]}")
         elif args.action == "clear":
+            if not _confirm_clear(bank, args):
+                print("nothing deleted")
+                return 1
             n = bank.clear(tenant=args.tenant)
             print(f"cleared {n} entries" + (f" of tenant {args.tenant}" if args.tenant else ""))
     return 0
+
+
+def _confirm_clear(bank, args) -> bool:
+    """``cache clear`` deletes only with ``--yes`` or a "y" typed at a terminal (no terminal: a user error)."""
+    if args.yes:
+        return True
+    n = len(bank.entries(tenant=args.tenant))
+    what = f"{n} entries" + (f" of tenant {args.tenant}" if args.tenant else "") + f" in {bank.root}"
+    if not sys.stdin.isatty():
+        raise CarnatorError(f"cache clear would delete {what}; add --yes to confirm")
+    return input(f"delete {what}? [y/N] ").strip().lower() in ("y", "yes")
 
 
 def _add_rule_args(p: argparse.ArgumentParser, help_fidelity: str, help_artifact: str) -> None:
@@ -478,35 +624,53 @@ def _quality_rule(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="carnator", description="Fast text-to-video generation by cross-request reuse.")
-    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ap = _Parser(prog="carnator", description="Fast text-to-video generation by cross-request reuse.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="carnator's debug logging (generate: also every detail of the result)")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate one video")
-    g.add_argument("prompt")
+    g = sub.add_parser("generate", help="generate one video", description="Generate one video, reusing cached work where the policy finds it safe; "
+                       "prints one line: hit or miss, its source and reason, time and steps computed (--verbose or --json: every detail).")
+    g.add_argument("prompt", help="what the video shows (the embedded model knows the shapes world's words only)")
     _add_gen_args(g)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--policy", default="carnator")
-    g.add_argument("--negative-prompt", default=None)
-    g.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
-    g.add_argument("--frames", type=int, default=None)
-    g.add_argument("--height", type=int, default=None)
-    g.add_argument("--width", type=int, default=None)
-    g.add_argument("--guidance", type=float, default=None)
-    g.add_argument("--tenant", default="default")
-    g.add_argument("--out", default="out.mp4", help="output video (.mp4 or .gif)")
-    g.add_argument("--fps", type=int, default=8)
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial noise, in [-2**63, 2**63 - 1]: the same prompt, seed and settings "
+                                                       "give the same video (default: %(default)s)")
+    g.add_argument("--policy", choices=POLICIES, default="carnator",
+                   help="how cached work is reused: carnator (probe, compatibility test, region reuse), dense (none), or the "
+                        "baselines nirvana, chorus, chorus2 (default: %(default)s)")
+    g.add_argument("--negative-prompt", default=None, help="what the video should not show (default: the model's)")
+    g.add_argument("--steps", type=int, default=None,
+                   help=lambda: f"denoising steps, at most 1000 (default: the model's; embedded: {_embedded_default('num_inference_steps')})")
+    g.add_argument("--frames", type=int, default=None,
+                   help=lambda: f"frames of the video (default: the model's; the embedded model makes {_embedded_default('frames')} only)")
+    g.add_argument("--height", type=int, default=None,
+                   help=lambda: f"height in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)")
+    g.add_argument("--width", type=int, default=None,
+                   help=lambda: f"width in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)")
+    g.add_argument("--guidance", type=float, default=None,
+                   help=lambda: f"classifier-free guidance scale, in [0, 100] (default: the model's; embedded: {_embedded_default('guidance_scale')})")
+    g.add_argument("--tenant", default="default", help="cache namespace: entries are reused within their tenant only (default: %(default)s)")
+    g.add_argument("--out", default="out.mp4", help="output video, .mp4 (H.264) or .gif (default: ./%(default)s)")
+    g.add_argument("--fps", type=_int_in(1, 240), default=8, help="frames per second of the output, 1-240 (.gif: 1-50) (default: %(default)s)")
     g.add_argument("--no-store", action="store_true", help="do not add the result to the cache")
-    g.add_argument("--json", action="store_true", help="print the summary as JSON")
+    g.add_argument("--json", action="store_true", help="print every detail as one JSON object instead of the summary line")
+    g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="print every detail (timings, discrepancies, notes) under the summary line; carnator's debug logging")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_intra_cache_arg(g)
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="a short stream of related requests through the carnator policy")
-    _add_gen_args(d)
-    d.add_argument("--policy", default="carnator")
-    d.add_argument("--steps", type=int, default=None)
-    d.add_argument("--out", default="carnator-demo", help="output folder (clips, demo.json, index.html)")
+    d = sub.add_parser("demo", help="a short stream of related requests through the carnator policy, with a page that tells it",
+                       description="Twelve related requests on the embedded model through a policy, each compared with a dense run of "
+                                   "the same request right after it; writes the clips, demo.json and index.html to --out.")
+    _add_gen_args(d, cache_help="cache directory (default: OUT/cache, emptied at the start unless --keep-cache; a directory "
+                                "given here is never emptied)")
+    d.add_argument("--policy", choices=POLICIES, default="carnator", help="the policy the stream runs through (default: %(default)s)")
+    d.add_argument("--steps", type=int, default=None,
+                   help=lambda: f"denoising steps (default: the model's, {_embedded_default('num_inference_steps')}; the carnator "
+                                "policy resumes at step 30, so fewer steps give exact hits only)")
+    d.add_argument("--out", default="carnator-demo", help="output folder: clips, demo.json, index.html (default: ./%(default)s)")
+    d.add_argument("--keep-cache", action="store_true",
+                   help="start from what OUT/cache holds from an earlier run (the demo then says it replays)")
     d.set_defaults(func=cmd_demo)
 
     k = sub.add_parser("calibrate", help="select and certify compatibility thresholds (embedded model)")
@@ -568,10 +732,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     z = sub.add_parser("bench-scale", help="real-size speed on a CUDA GPU: dense vs replayed carnator hits, and kernels")
-    from .bench.scale import SPECS
 
-    z.add_argument("model", nargs="?", default="wan2.1-1.3b",
-                   help="one of: " + ", ".join(SPECS) + " (tiny-*: CPU-sized smoke tests of the same path)")
+    def spec_names() -> str:
+        from .bench.scale import SPECS
+
+        return "one of: " + ", ".join(SPECS) + " (tiny-*: CPU-sized smoke tests of the same path)"
+
+    z.add_argument("model", nargs="?", default="wan2.1-1.3b", help=spec_names)
     z.add_argument("--frames", type=int, default=None, help="fewer frames than the model's default (state it when reporting)")
     z.add_argument("--steps", type=int, default=50)
     z.add_argument("--densities", default="0.1,0.2,0.3,0.5", help="block-mask densities of the replayed hits")
@@ -596,34 +763,53 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--out", default="carnator-bench-scale")
     z.set_defaults(func=cmd_bench_scale)
 
-    from .cache import eviction_policies
-
     c = sub.add_parser("cache", help="inspect or manage the cache",
                        description="ls: list entries; stats: counts, bytes and settings; verify: check every entry "
-                                   "(exit status 1 when anything was corrupt, missing or lost); clear: delete entries; "
-                                   "config: show or set the cache's capacity and eviction policy (stored in the cache)")
+                                   "(exit status 1 when anything was corrupt, missing or lost); clear: delete entries (asks "
+                                   "first; --yes); config: show or set the cache's capacity and eviction policy (stored in the cache)")
     c.add_argument("action", choices=["ls", "stats", "verify", "clear", "config"])
-    c.add_argument("--cache-dir", default=None)
-    c.add_argument("--tenant", default=None, help="only this tenant's entries (ls, stats, verify, clear)")
+    c.add_argument("--cache-dir", default=None, help="cache directory (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
+    c.add_argument("--tenant", default=None, help="only this tenant's entries (ls, stats, verify, clear; default: all)")
     c.add_argument("--capacity", default=None, metavar="SIZE", help="config: e.g. 40MB, 2GiB, 500000 (bytes) or none (unbounded)")
-    c.add_argument("--eviction", default=None, choices=eviction_policies(), help="config: which entries go first when full")
+    c.add_argument("--eviction", default=None, choices=EVICTIONS, help="config: which entries go first when full")
+    c.add_argument("-y", "--yes", action="store_true", help="clear: delete without asking")
     c.set_defaults(func=cmd_cache)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # anywhere, start-up (imports, model loading) included: no traceback
+        print("carnator: interrupted", file=sys.stderr)
+        if argv is None:
+            # The program itself (the console script, python -m): leave now with 130. An interrupt that passed through
+            # an extension's embedded eval during start-up (torch's import) marks the interpreter, which would
+            # otherwise end itself by SIGINT at exit however the exception was handled.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="carnator: %(levelname)s: %(message)s")
+    try:
+        args = ap.parse_args(argv)
+    except _UsageError as e:
+        print(f"carnator: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else 0
+    logging.basicConfig(level=logging.WARNING, format="carnator: %(levelname)s: %(message)s")
+    if args.verbose:  # carnator's own debug lines, not every library's
+        logging.getLogger("carnator").setLevel(logging.DEBUG)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         return args.func(args)
     except CarnatorError as e:
         print(f"carnator: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("carnator: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

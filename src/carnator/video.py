@@ -8,13 +8,28 @@ import numpy as np
 
 from .errors import InvalidRequestError
 
+#: frame rates the encoders honour: H.264 takes any; a GIF stores each frame's delay in 1/100 s and browsers
+#: slow delays under 2/100 s down to 1/10 s, so a GIF plays at most 50 frames a second
+MAX_FPS = {".mp4": 240, ".gif": 50}
+
+
+def check_fps(fps, path: str | Path) -> int:
+    """``fps`` if the encoder for ``path``'s extension plays it, else InvalidRequestError."""
+    ext = Path(path).suffix.lower()
+    most = MAX_FPS.get(ext, 240)
+    if not isinstance(fps, (int, np.integer)) or isinstance(fps, bool) or not 1 <= fps <= most:
+        raise InvalidRequestError(f"fps must be an integer from 1 to {most} for {ext or 'this'} output, got {fps!r}")
+    return int(fps)
+
 
 def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
-    """Encode uint8 frames (T, H, W, 3) to ``path`` (.mp4 or .gif), atomically (temp file + rename)."""
+    """Encode uint8 frames (T, H, W, 3) to ``path`` (.mp4 or .gif) at ``fps`` frames a second (:data:`MAX_FPS`),
+    atomically (temp file + rename)."""
     path = Path(path)
     ext = path.suffix.lower()
     if ext not in (".mp4", ".gif"):
         raise InvalidRequestError(f"output must end in .mp4 or .gif, got {path.name!r}")
+    fps = check_fps(fps, path)
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError("frames must be uint8 (T, H, W, 3)")
@@ -24,7 +39,7 @@ def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
         from PIL import Image  # a diffusers dependency
 
         imgs = [Image.fromarray(f) for f in frames]
-        imgs[0].save(tmp, format="GIF", save_all=True, append_images=imgs[1:], duration=int(1000 / fps), loop=0)
+        imgs[0].save(tmp, format="GIF", save_all=True, append_images=imgs[1:], duration=round(1000 / fps), loop=0)
     else:
         import av
 

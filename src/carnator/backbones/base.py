@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -259,6 +258,18 @@ class BackboneAdapter(ABC):
     @abstractmethod
     def defaults(self) -> GenerationDefaults: ...
 
+    def limits(self):
+        """What this model accepts (:class:`~carnator.request.RequestLimits`), enforced by :meth:`resolve`: the
+        shared bounds, and the text encoder's reading, ``max_sequence_length`` tokens of the cleaned prompt with its
+        special tokens (the T5 families; others override)."""
+        from ..request import RequestLimits
+
+        n = getattr(self, "max_sequence_length", None)
+        tok = getattr(self.pipe, "tokenizer", None)
+        if n is None or tok is None:
+            return RequestLimits()
+        return RequestLimits(max_prompt_tokens=int(n), count_tokens=lambda text: len(tok(self.clean_prompt(text), add_special_tokens=True)["input_ids"]))
+
     def resolve(
         self,
         prompt: str,
@@ -272,35 +283,14 @@ class BackboneAdapter(ABC):
         guidance_scale: float | None = None,
         tenant: str = "default",
     ) -> Request:
-        """Fill unset settings from :meth:`defaults` and check everything; raises InvalidRequestError."""
-        d = self.defaults()
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise InvalidRequestError("the prompt is empty")
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-            raise InvalidRequestError(f"seed must be an integer, got {seed!r}")
-        if not isinstance(tenant, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", tenant):
-            raise InvalidRequestError("tenant must be 1-64 characters of letters, digits, '.', '_' or '-'")
-        steps = d.num_inference_steps if num_inference_steps is None else num_inference_steps
-        frames = d.num_frames if num_frames is None else num_frames
-        h = d.height if height is None else height
-        w = d.width if width is None else width
-        g = d.guidance_scale if guidance_scale is None else guidance_scale
-        for name, v in (("num_inference_steps", steps), ("num_frames", frames), ("height", h), ("width", w)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
-                raise InvalidRequestError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(g, (int, float)) or not np.isfinite(g) or g < 0:
-            raise InvalidRequestError(f"guidance_scale must be a finite number >= 0, got {g!r}")
-        neg = d.negative_prompt if negative_prompt is None else negative_prompt
-        req = Request(
-            prompt=prompt,
-            seed=int(seed),
-            num_inference_steps=int(steps),
-            num_frames=int(frames),
-            height=int(h),
-            width=int(w),
-            guidance_scale=float(g),
-            negative_prompt=neg,
-            tenant=tenant,
+        """Fill unset settings from :meth:`defaults` and check everything against :meth:`limits` and
+        :meth:`check_geometry` (:func:`~carnator.request.resolve_request`); raises InvalidRequestError."""
+        from ..request import resolve_request
+
+        req = resolve_request(
+            self.defaults(), self.limits(), prompt, seed=seed, negative_prompt=negative_prompt,
+            num_inference_steps=num_inference_steps, num_frames=num_frames, height=height, width=width,
+            guidance_scale=guidance_scale, tenant=tenant,
         )
         self.check_geometry(req)
         return req

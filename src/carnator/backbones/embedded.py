@@ -65,6 +65,15 @@ class EmbeddedAdapter(WanAdapter):
         c = self.cfg
         return GenerationDefaults(num_inference_steps=c.num_inference_steps, num_frames=c.frames, height=c.size, width=c.size, guidance_scale=c.guidance_scale)
 
+    def limits(self):
+        """Exactly what the embedded model makes: its frame count and size, and the first ``max_words`` words it
+        knows (unknown words are dropped before the cut)."""
+        from ..request import RequestLimits
+
+        c, tok = self.cfg, self.pipe.tokenizer
+        return RequestLimits(max_frames=c.frames, max_height=c.size, max_width=c.size, max_prompt_tokens=tok.max_words,
+                             count_tokens=lambda text: sum(w in tok.ids for w in tok.words(text)))
+
     def check_geometry(self, req: Request) -> None:
         c = self.cfg
         if req.num_frames != c.frames or req.height != c.size or req.width != c.size:

@@ -62,6 +62,20 @@ class HunyuanVideoAdapter(BackboneAdapter):
     def defaults(self) -> GenerationDefaults:
         return GenerationDefaults(num_inference_steps=50, num_frames=129, height=720, width=1280, guidance_scale=6.0)
 
+    def limits(self):
+        """The shared bounds; the text limit is the Llama sequence the transformer sees: the prompt and the template's
+        end after the crop, ``max_sequence_length`` tokens (the CLIP encoder's pooled vector reads fewer, 77)."""
+        from ..request import RequestLimits
+
+        tok, template = self.pipe.tokenizer, self.prompt_template["template"]
+        # The prompt's tokens and the template's after it (its closing <|eot_id|>); the part before is cropped off.
+        around = len(tok(template.format(""))["input_ids"]) - len(tok(template.split("{}")[-1], add_special_tokens=False)["input_ids"])
+
+        def count(text: str) -> int:
+            return len(tok(template.format(text))["input_ids"]) - around
+
+        return RequestLimits(max_prompt_tokens=self.max_sequence_length, count_tokens=count)
+
     # geometry ---------------------------------------------------------------------------------
     @property
     def _patch(self) -> tuple[int, int]:

@@ -9,6 +9,7 @@ verbs or adverbs by a small lexicon and suffix rules).
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from functools import lru_cache
 
 _STOP = set(
@@ -49,14 +50,19 @@ def noun_phrase_spans(text: str, noun: str, modifiers: int = 0) -> list[tuple[in
     two cats" -> "big red ball" for "ball" at ``modifiers >= 2``; "cats" keeps no modifier). ``modifiers=0``: the
     noun's own spans. (Chorus's prompt diff names attributes from an adjective lexicon instead,
     :func:`carnator.policies.chorus.attributes`: it compares words, this marks tokens.)"""
-    words = list(re.finditer(r"[A-Za-z0-9]+", text))
+    # Linear in the text: each occurrence looks back over at most ``modifiers`` words, found by bisection (a scan
+    # of every earlier word per occurrence made "a red ball " * 10000 run for over 15 minutes).
+    words = [m.span() for m in re.finditer(r"[A-Za-z0-9]+", text)]
+    ends = [e for _, e in words]
     out = []
     for m in re.finditer(rf"\b{re.escape(noun)}\b", text, flags=re.IGNORECASE):
         start, taken = m.start(), 0
-        for w in reversed([w for w in words if w.end() <= m.start()]):
-            if taken >= modifiers or w.group(0).lower() in _STOP or text[w.end():start].strip():
+        k = bisect_right(ends, m.start())  # words[:k] end before the noun
+        while k > 0 and taken < modifiers:
+            a, b = words[k - 1]
+            if text[a:b].lower() in _STOP or text[b:start].strip():
                 break
-            start, taken = w.start(), taken + 1
+            start, taken, k = a, taken + 1, k - 1
         out.append((start, m.end()))
     return out
 

@@ -1,0 +1,202 @@
+"""A request's outcome in words: what was decided (exact hit, hit, miss), why, and what it cost in denoising steps.
+
+Read from what :meth:`Carnator.generate <carnator.engine.Carnator.generate>` returns (``Result.stats``: ``hit``,
+``exact_hit``, ``source_id``, ``resume_step``, ``dit_forwards``, ``notes``), the policy's thresholds and the
+cache's entry of the source. Used by ``carnator generate``'s summary line and by the demo's page.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def cfg_branches(engine, req) -> int:
+    """DiT forwards per denoising step of ``req`` (2 under classifier-free guidance, else 1), as the adapters decide
+    it in ``encode``: guidance above 1, except HunyuanVideo's true CFG (a negative prompt and ``true_cfg_scale`` > 1)."""
+    ad = engine.adapter
+    if hasattr(ad, "true_cfg_scale"):
+        return 2 if ad.true_cfg_scale > 1 and req.negative_prompt is not None else 1
+    return 2 if req.guidance_scale > 1.0 else 1
+
+
+@dataclass
+class Check:
+    """One discrepancy of a hit against its threshold (``threshold`` None: that dimension is off)."""
+
+    name: str
+    value: float
+    threshold: float | None
+
+    @property
+    def passed(self) -> bool:
+        return self.threshold is None or self.value <= self.threshold
+
+    def text(self) -> str:
+        v = _num(self.value)
+        return f"{self.name} {v}" if self.threshold is None else f"{self.name} {v} {'<=' if self.passed else '>'} {_num(self.threshold)}"
+
+
+@dataclass
+class Outcome:
+    """What happened to one request, for people."""
+
+    decision: str  # "exact hit", "hit" or "miss"
+    reason: str  # why, with the numbers (generate's line)
+    steps: int  # the request's denoising steps
+    steps_computed: int  # steps whose DiT forwards ran (a hit: its probe and the steps after its resume step)
+    dit_forwards: int
+    source_id: str | None = None  # a hit's source entry
+    tested_id: str | None = None  # a miss's: the cached candidate its compatibility test tried and refused
+    source_prompt: str | None = None  # of the source, or of the tested candidate
+    source_seed: int | None = None
+    checks: list[Check] = field(default_factory=list)
+    risk: tuple[float, float] | None = None  # (risk score, its threshold) of a hit under a risk rule
+    headline: str = ""  # the reason without the numbers of ``checks`` and ``risk`` (the page lists them beside it)
+
+    @property
+    def steps_saved(self) -> int:
+        return self.steps - self.steps_computed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "decision": self.decision, "reason": self.reason, "headline": self.headline or self.reason, "steps": self.steps, "steps_computed": self.steps_computed,
+            "steps_saved": self.steps_saved, "dit_forwards": self.dit_forwards, "source_id": self.source_id,
+            "tested_id": self.tested_id, "source_prompt": self.source_prompt, "source_seed": self.source_seed,
+            "checks": [{"name": c.name, "value": _json_num(c.value), "threshold": _json_num(c.threshold), "passed": c.passed} for c in self.checks],
+            "risk": None if self.risk is None else {"value": self.risk[0], "threshold": self.risk[1]},
+        }
+
+
+def _num(v: float) -> str:
+    return "inf" if math.isinf(v) else f"{v:.2f}"
+
+
+def _json_num(v: float | None) -> float | str | None:
+    return "inf" if v is not None and math.isinf(v) else v
+
+
+def describe(engine, res) -> Outcome:
+    """The :class:`Outcome` of ``res`` (a :class:`~carnator.request.Result` of ``engine``)."""
+    s, req = res.stats, res.request
+    n = req.num_inference_steps
+    computed = min(n, s.dit_forwards // cfg_branches(engine, req))
+    out = Outcome(decision="exact hit" if s.exact_hit else ("hit" if s.hit else "miss"), reason="", steps=n,
+                  steps_computed=computed, dit_forwards=s.dit_forwards, source_id=s.source_id)
+    if s.source_id is not None:
+        meta = engine.bank.get(s.source_id)
+        if meta is not None:
+            out.source_prompt, out.source_seed = meta.prompt, meta.seed
+    notes = s.notes or {}
+    src = _source_text(out)
+    if s.exact_hit:
+        out.reason = f"the same request as {src}: its stored video"
+    elif s.hit:
+        out.checks, out.risk = _checks(engine, s.policy, notes)
+        out.headline = f"compatible with {src}; resumed at step {s.resume_step} of {n}"
+        if out.risk is not None:
+            passed = f"risk {out.risk[0]:.3f} <= {out.risk[1]:.3f}"
+            dims = ", ".join(c.text() for c in out.checks)
+            out.reason = f"compatible with {src}: {passed} ({dims}); resumed at step {s.resume_step} of {n}"
+        elif out.checks:
+            out.reason = f"compatible with {src}: {', '.join(c.text() for c in out.checks)}; resumed at step {s.resume_step} of {n}"
+        elif "similarity" in notes:
+            out.reason = f"similar to {src} (similarity {float(notes['similarity']):.3f}); resumed at step {s.resume_step} of {n}"
+        else:
+            out.reason = f"reused {src} from step {s.resume_step} of {n}"
+        if not out.checks:
+            out.headline = out.reason
+    elif s.policy == "dense":
+        out.reason = "the dense policy reuses nothing"
+    elif "fallback" in notes:
+        out.reason = "generated densely: " + str(notes.get("reason") or f"the {s.policy} policy cannot run on this model")
+    elif "candidates" in notes:
+        k = int(notes["candidates"])
+        if k == 0:
+            out.reason = "nothing cached with the same nouns (or one noun substituted) and settings"
+        else:
+            tau = _thresholds(engine, s.policy)
+            rule = f" (risk threshold {tau.risk.threshold:.3f})" if tau is not None and tau.risk is not None else ""
+            out.reason = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; none passed the compatibility test{rule}"
+            failed = _first_tested(engine, res, k)
+            if failed is not None:
+                meta, out.checks, out.risk = failed
+                out.tested_id, out.source_prompt, out.source_seed = meta.id, meta.prompt, meta.seed
+                what = _source_text(Outcome("", "", 0, 0, 0, source_id=meta.id, source_prompt=meta.prompt, source_seed=meta.seed))
+                verdict = (f"risk {out.risk[0]:.3f} {'<=' if out.risk[0] <= out.risk[1] else '>'} {out.risk[1]:.3f} ("
+                           if out.risk is not None else "(")
+                out.headline = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; the first, {what}, failed the compatibility test"
+                out.reason = f"{out.headline}: {verdict}{', '.join(c.text() for c in out.checks)})"
+    elif "similarity" in notes:
+        out.reason = f"the nearest cached request (similarity {float(notes['similarity']):.3f}) was not reused"
+    else:
+        out.reason = "nothing cached was reused"
+    return out
+
+
+def _source_text(out: Outcome) -> str:
+    if out.source_id is None:
+        return "a cached entry"
+    short = out.source_id[:8]
+    if out.source_prompt is None:
+        return f"entry {short}"
+    return f"entry {short} ({out.source_prompt!r}, seed {out.source_seed})"
+
+
+def _thresholds(engine, policy: str):
+    pol = engine.policy(policy)
+    return pol.thresholds(engine) if hasattr(pol, "thresholds") else None
+
+
+def _checks(engine, policy: str, notes: dict) -> tuple[list[Check], tuple[float, float] | None]:
+    """Each applicable discrepancy of a hit with its threshold, and the risk score when the thresholds have one."""
+    d = notes.get("discrepancies")
+    tau = _thresholds(engine, policy)
+    if not d or tau is None:
+        return [], None
+    checks = []
+    for name, value in d.items():
+        if value is None:
+            continue
+        t = getattr(tau, name, None)
+        checks.append(Check(name, float(value), None if t is None or math.isinf(t) else float(t)))
+    risk = None
+    if tau.risk is not None:
+        from .reuse import Discrepancies
+
+        risk = (float(tau.risk.risk(Discrepancies.from_dict(d))), float(tau.risk.threshold))
+    return checks, risk
+
+
+def _first_tested(engine, res, count: int):
+    """For a miss of the carnator policy: the first candidate its compatibility test tried (recall order, through the
+    noun filter), with its discrepancies against the thresholds; None where that cannot be re-derived.
+
+    The policy keeps only the count of candidates in its notes, so the candidates are recalled again from the cache
+    (the request's own new entry left out) and their discrepancies recomputed with the policy's own functions and
+    config; the result is used only when the count of candidates found equals the policy's."""
+    from .reuse import discrepancies, noun_diff
+    from .signature import EarlySignature
+    from .signature.nouns import extract_nouns
+
+    s, req = res.stats, res.request
+    pol = engine.policy(s.policy)
+    cfg = getattr(pol, "cfg", None)
+    sig = (s.notes or {}).get("signature")
+    if cfg is None or not hasattr(cfg, "compat") or not isinstance(sig, dict):
+        return None
+    recalled = engine.bank.recall(req.tenant, engine.compat_key(req), engine.embedder(req.prompt), k=cfg.top_k + 1)
+    recalled = [(m, sc) for m, sc in recalled if m.id != s.entry_id][: cfg.top_k]
+    nouns = extract_nouns(req.prompt)
+    candidates = []
+    for meta, score in recalled:
+        diff = noun_diff(nouns, meta.extra.get("nouns", []))
+        if diff is not None and "signature" in meta.extra:
+            candidates.append((meta, score, diff))
+    if len(candidates) != count:
+        return None
+    meta, score, diff = candidates[0]
+    d = discrepancies(EarlySignature.from_dict(sig), EarlySignature.from_dict(meta.extra["signature"]), diff, cfg.compat, similarity=score)
+    checks, risk = _checks(engine, s.policy, {"discrepancies": d.to_dict()})
+    return meta, checks, risk

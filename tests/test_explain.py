@@ -1,0 +1,66 @@
+"""Why a request hit or missed (:mod:`carnator.explain`), on the embedded model with the shipped thresholds: a
+re-roll hits its first generation, a colour edit misses; the numbers named are the policy's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from carnator import Carnator
+from carnator.explain import _first_tested, cfg_branches, describe
+from carnator.testing import hashed_embedder
+
+PROMPT = "a small red ball moving left on grass"
+STEPS = 32  # the carnator policy probes 4 steps and resumes at step 30
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    eng = Carnator.from_pretrained("embedded", tmp_path_factory.mktemp("explain") / "cache", device="cpu", embedder=hashed_embedder(64))
+    # each described right after it ran, as the CLI and the demo do (a later entry would be recalled too)
+    first = eng.generate(PROMPT, seed=1, num_inference_steps=STEPS)
+    first.why = describe(eng, first)
+    reroll = eng.generate(PROMPT, seed=5, num_inference_steps=STEPS)
+    reroll.why = describe(eng, reroll)
+    reroll.rederived = _first_tested(eng, reroll, reroll.stats.notes["candidates"])
+    edit = eng.generate(PROMPT.replace("red", "blue"), seed=3, num_inference_steps=STEPS)
+    edit.why = describe(eng, edit)
+    return eng, first, reroll, edit
+
+
+def test_steps_are_dit_forwards_over_cfg_branches(stream):
+    eng, first, reroll, _ = stream
+    assert cfg_branches(eng, first.request) == 2  # guidance 4 > 1
+    a, b = first.why, reroll.why
+    assert (a.decision, a.steps_computed, a.dit_forwards) == ("miss", STEPS, 2 * STEPS)
+    # the hit: its 4 probe steps and steps 30 and 31
+    assert (b.decision, b.steps_computed, b.steps_saved, b.dit_forwards) == ("hit", 6, STEPS - 6, 12)
+
+
+def test_a_hit_names_its_source_and_the_policys_numbers(stream):
+    eng, first, reroll, _ = stream
+    why = reroll.why
+    assert why.source_id == first.stats.entry_id and (why.source_prompt, why.source_seed) == (PROMPT, 1)
+    d = reroll.stats.notes["discrepancies"]
+    assert {c.name: c.value for c in why.checks} == {k: v for k, v in d.items() if v is not None}
+    risk, threshold = why.risk
+    assert risk <= threshold == eng.policy("carnator").thresholds(eng).risk.threshold
+    assert why.reason.startswith(f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1): risk {risk:.3f} <= ")
+    assert why.headline == f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1); resumed at step 30 of {STEPS}"
+    # the re-derivation a miss's reason uses gives, on this hit, the discrepancies the policy decided on
+    meta, checks, rerisk = reroll.rederived
+    assert meta.id == first.stats.entry_id and [(c.name, c.value) for c in checks] == [(c.name, c.value) for c in why.checks]
+    assert rerisk == pytest.approx(why.risk)
+
+
+def test_a_miss_names_the_candidate_refused_and_why(stream):
+    eng, first, reroll, edit = stream
+    why = edit.why
+    k = edit.stats.notes["candidates"]
+    assert why.decision == "miss" and k == 2 and why.tested_id in (first.stats.entry_id, reroll.stats.entry_id)
+    risk, threshold = why.risk
+    assert risk > threshold  # the policy refused it: the recomputed risk agrees
+    # the same nouns (ball, grass), none substituted: size, shape and colour do not apply (Discrepancies)
+    assert {c.name for c in why.checks} == {"context", "text"}
+    assert why.reason.startswith(f"2 cached candidates with matching nouns; the first, entry {why.tested_id[:8]} (")
+    assert f"failed the compatibility test: risk {risk:.3f} > {threshold:.3f} (" in why.reason
+    assert why.reason.startswith(why.headline + ": risk ") and why.headline.endswith("failed the compatibility test")
