@@ -102,7 +102,7 @@ def main() -> int:
                     row["source"] = {"fidelity": js.fidelity, "artifact": js.artifact}
                 res = eng.generate(tgt, seed=t_seed, policy=f"forced{v}", tenant=tenant, store=False)
                 if own:
-                    eng.bank.clear(tenant=tenant)
+                    eng.store.clear(tenant=tenant)
                 if not res.stats.hit:
                     row["reuse"][v] = None
                     continue
@@ -111,7 +111,7 @@ def main() -> int:
                                    "total": res.stats.timings["total"], "active_fraction": res.stats.active_fraction,
                                    "mask_density": res.stats.mask_density,
                                    "acceptable": bool(rule.acceptable(jr.fidelity, jr.artifact, jd.fidelity, jd.artifact))}
-            eng.bank.clear(tenant=f"sweep{i}")
+            eng.store.clear(tenant=f"sweep{i}")
             log.write(json.dumps(row) + "\n")
             log.flush()
             print(f"{i + 1}/{args.n} {kind:7s} source {row['source']['fidelity'] - jd.fidelity:+.2f} " + " ".join(f"{v}:{'-' if u is None else round(u['fidelity'] - jd.fidelity, 2)}" for v, u in row["reuse"].items()), flush=True)

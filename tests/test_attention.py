@@ -434,7 +434,8 @@ def test_gather_scatter_round_trip():
 
 
 def test_nearest_mask_serves_the_steps_between_recorded_ones():
-    from carnator.attention.controller import AttentionController, SparseConfig
+    from carnator.attention.state import AttentionSession, SparseConfig
+    from carnator.denoise import Program
 
     g = torch.Generator().manual_seed(3)
     ms = BlockMaskSet.empty(num_heads=2, q_len=40, kv_len=40, block=8)
@@ -450,23 +451,19 @@ def test_nearest_mask_serves_the_steps_between_recorded_ones():
     # the packed device copy unpacks to the same masks as get()
     dev = ms.to_device("cpu")
     assert torch.equal(ms.unpack(dev[(5, 0, 1)]), ms.get(5, 0, 1))
-    # the controller applies step 0's mask at steps 1..4 and step 5's from 5 on
-    ctrl = AttentionController()
-    ctrl.use_masks(ms, "cpu")
-    ctrl.branches = (0,)
-    ctrl.step = 4
-    t4 = ctrl.cached_mask(1, "cpu")
+    # a request's session applies step 0's mask at steps 1..4 and step 5's from 5 on
+    session = AttentionSession()
+    session.preload(ms, "cpu")
+    t4 = session.cached_mask(ms, 4, (0,), 1, "cpu")
     assert torch.equal(t4.table[0], m0)
-    ctrl.step = 7
-    t7 = ctrl.cached_mask(1, "cpu")
+    t7 = session.cached_mask(ms, 7, (0,), 1, "cpu")
     assert torch.equal(t7.table[0], m5)
-    assert ctrl.cached_mask(0, "cpu") is None
+    assert session.cached_mask(ms, 7, (0,), 0, "cpu") is None
     # one table per recorded step: steps 5..49 share step 5's (and the BlockMask built from it)
-    ctrl.step = 9
-    assert ctrl.cached_mask(1, "cpu") is t7 and ctrl._tables.keys() == {((5, 0, 1),)}
+    assert session.cached_mask(ms, 9, (0,), 1, "cpu") is t7 and session._tables.keys() == {((5, 0, 1),)}
     # a capture stride of 2 records only even steps
-    ctrl.sparse = SparseConfig(block=8, p=0.9, stride=2)
-    assert [s for s in range(5) if (setattr(ctrl, "step", s) or ctrl.capturing(1))] == [0, 2, 4]
+    prog = Program(capture=SparseConfig(block=8, p=0.9, stride=2))
+    assert [s for s in range(5) if prog.attention(s).capture is not None] == [0, 2, 4]
     with pytest.raises(ValueError):
         SparseConfig(p=0.0)
 
@@ -474,7 +471,7 @@ def test_nearest_mask_serves_the_steps_between_recorded_ones():
 def test_capture_reads_the_configured_block_mass():
     """SparseConfig.mass picks the estimator: a key block that holds one strong key among weak ones wins under the
     exact mass but not under the pooled estimate (its mean key is pulled towards zero); hand-made Q, K."""
-    from carnator.attention.controller import AttentionController, SparseConfig
+    from carnator.attention.state import AttentionPlan, AttentionSession, SparseConfig, StepAttention
 
     # 1 query block of 2 identical queries; 2 key blocks of 2 keys. Block 0: one key aligned with q (logit 8) and
     # one opposite (-8); block 1: two keys at logit 2. Exact mass: block 0 ~ e^8 / (e^8 + 2 e^2) ~ 0.995. Pooled:
@@ -486,11 +483,9 @@ def test_capture_reads_the_configured_block_mass():
     k[0, 0, 0, 0], k[0, 0, 1, 0], k[0, 0, 2, 0], k[0, 0, 3, 0] = 16.0, -16.0, 4.0, 4.0   # logits x scale 1/2
     got = {}
     for mass in ("estimate", "exact"):
-        ctrl = AttentionController()
-        ctrl.branches, ctrl.step = (0,), 0
-        ctrl.sparse = SparseConfig(block=2, p=0.6, mass=mass)
-        ctrl.capture(0, q, k)
-        got[mass] = ctrl.captured.get(0, 0, 0)[0, 0].tolist()
+        session = AttentionSession()
+        StepAttention(AttentionPlan(capture=SparseConfig(block=2, p=0.6, mass=mass)), session, 0).capture(0, q, k)
+        got[mass] = session.record.captured.get(0, 0, 0)[0, 0].tolist()
     assert got == {"estimate": [False, True], "exact": [True, False]}
     with pytest.raises(ValueError, match="mass"):
         SparseConfig(mass="sampled")

@@ -45,7 +45,7 @@ def test_chorus2_reuses_only_masks(tmp_path):
     eng = _engine(tmp_path)
     st = dict(TINY_SETTINGS["wan"], num_inference_steps=4)
     a = eng.generate("a red ball on grass", seed=1, policy="chorus2", **st)
-    assert any(k.startswith("attn.") for k in eng.bank.load(a.stats.entry_id))
+    assert any(k.startswith("attn.") for k in eng.store.load(a.stats.entry_id))
     b = eng.generate("a red ball on grass", seed=2, policy="chorus2", **st)
     assert b.stats.hit and 0 < b.stats.mask_density <= 1 and b.stats.dit_forwards == 2 * 4
     dense = eng.generate("a red ball on grass", seed=2, policy="dense", store=False, **st)
@@ -59,7 +59,7 @@ def test_masks_are_neither_captured_nor_applied_where_no_block_sparse_kernel_run
     attention, so nothing is recorded, and Chorus II (which reuses nothing else) serves a re-roll densely."""
     import numpy as np
 
-    from carnator.attention.controller import SparseConfig
+    from carnator.attention.state import SparseConfig
 
     assert SparseConfig().applies("cpu") is False and SparseConfig(apply="always").applies("cpu") is True
     assert SparseConfig(block=128).applies("cuda") is True and SparseConfig(block=32).applies("cuda") is False
@@ -67,7 +67,7 @@ def test_masks_are_neither_captured_nor_applied_where_no_block_sparse_kernel_run
     eng = _engine(tmp_path, apply="auto")
     st = dict(TINY_SETTINGS["wan"], num_inference_steps=8)
     a = eng.generate("a red ball on grass", seed=1, policy=policy, **st)
-    assert not any(k.startswith("attn.") for k in eng.bank.load(a.stats.entry_id))
+    assert not any(k.startswith("attn.") for k in eng.store.load(a.stats.entry_id))
     if policy == "chorus2":
         b = eng.generate("a red ball on grass", seed=2, policy=policy, **st)
         dense = eng.generate("a red ball on grass", seed=2, policy="dense", store=False, **st)
@@ -91,34 +91,34 @@ def test_an_entry_keeps_the_latents_its_policy_can_resume_from(tmp_path, policy,
 
     eng = Carnator(tiny_pipeline("wan"), tmp_path, embedder=bag_of_words_embedder(), config=EngineConfig(policy_options={policy: opts}))
     r = eng.generate("a red ball on grass", seed=1, policy=policy, **dict(TINY_SETTINGS["wan"], num_inference_steps=10))
-    keys = eng.bank.load(r.stats.entry_id).keys()
-    assert {int(k[5:]) for k in keys if k.startswith("traj.")} == kept and "final" in keys
+    keys = eng.store.load(r.stats.entry_id).keys()
+    assert {int(k[5:]) for k in keys if k.startswith("traj.")} == kept and "video" in keys
     # "all" keeps every step whatever the policy
     eng2 = Carnator(tiny_pipeline("wan"), tmp_path / "all", embedder=bag_of_words_embedder(),
                     config=EngineConfig(capture_steps="all", policy_options={policy: opts}))
     r2 = eng2.generate("a red ball on grass", seed=1, policy=policy, **dict(TINY_SETTINGS["wan"], num_inference_steps=10))
-    assert {k for k in eng2.bank.load(r2.stats.entry_id) if k.startswith("traj.")} == {f"traj.{i}" for i in range(10)}
+    assert {k for k in eng2.store.load(r2.stats.entry_id) if k.startswith("traj.")} == {f"traj.{i}" for i in range(10)}
 
 
 @pytest.mark.parametrize("policy", ["nirvana", "chorus", "chorus2", "carnator"])
 def test_reuse_false_fills_the_cache_with_a_miss_that_stores_what_a_first_miss_stores(tmp_path, policy):
-    """``generate(reuse=False)`` (how bench fills its warm cache): a re-roll, which would reuse the first entry,
+    """``generate(cache="off")`` (how bench fills its warm cache): a re-roll, which would reuse the first entry,
     runs as a miss instead - dense's frames - and stores the same tensors the first miss stored."""
     import numpy as np
 
     eng = _engine(tmp_path)
     st = dict(TINY_SETTINGS["wan"], num_inference_steps=8)
     first = eng.generate("a red ball on grass", seed=1, policy=policy, **st)
-    again = eng.generate("a red ball on grass", seed=2, policy=policy, reuse=False, **st)
+    again = eng.generate("a red ball on grass", seed=2, policy=policy, cache="off", **st)
     assert not first.stats.hit and not again.stats.hit
     assert again.stats.dit_forwards == 2 * 8 and again.stats.entry_id not in (None, first.stats.entry_id)
-    assert sorted(eng.bank.load(first.stats.entry_id)) == sorted(eng.bank.load(again.stats.entry_id))
+    assert sorted(eng.store.load(first.stats.entry_id)) == sorted(eng.store.load(again.stats.entry_id))
     dense = eng.generate("a red ball on grass", seed=2, policy="dense", store=False, **st)
     np.testing.assert_array_equal(again.frames, dense.frames)
     # with reuse (the default) the same re-roll is served from the cache (carnator: its random-weight signatures
-    # fail the thresholds, but the entries are recalled; reuse=False recalled none)
+    # fail the thresholds, but the entries are recalled; cache="off" recalled none)
     third = eng.generate("a red ball on grass", seed=3, policy=policy, **st)
     assert third.stats.notes["candidates"] == 2 and again.stats.notes["candidates"] == 0 if policy == "carnator" else third.stats.hit
     # and an exact repeat is not served from the exact tier either
-    exact = eng.generate("a red ball on grass", seed=2, policy=policy, reuse=False, **st)
+    exact = eng.generate("a red ball on grass", seed=2, policy=policy, cache="off", **st)
     assert not exact.stats.exact_hit and exact.stats.dit_forwards == 2 * 8

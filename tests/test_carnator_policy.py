@@ -39,9 +39,9 @@ def test_hit_resumes_and_keeps_cached_latent_outside_active(tmp_path):
     eng = make_engine(tmp_path, OPEN)
     a = eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
     assert not a.stats.hit and a.stats.notes["candidates"] == 0
-    entry = eng.bank.load(a.stats.entry_id)
+    entry = eng.store.load(a.stats.entry_id)
     assert any(k.startswith("attn.") for k in entry) and any(k.startswith("evidence.") for k in entry)
-    assert set(eng.bank.get(a.stats.entry_id).extra["nouns"]) == {"ball", "grass"}
+    assert set(eng.store.get(a.stats.entry_id).extra["nouns"]) == {"ball", "grass"}
 
     b = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
     s = b.stats
@@ -50,8 +50,8 @@ def test_hit_resumes_and_keeps_cached_latent_outside_active(tmp_path):
     assert s.dit_forwards == 2 * (4 + STEPS - RESUME)
     assert 0 < s.active_fraction <= 1 and 0 < s.mask_density <= 1
     # Outside the Active region the blend weight is 0: the final latent is the source's, exactly.
-    final_b = eng.bank.load(s.entry_id)["final"]
-    final_a = entry["final"]
+    final_b = eng.store.load(s.entry_id)[f"traj.{STEPS - 1}"]
+    final_a = entry[f"traj.{STEPS - 1}"]
     same = (final_b == final_a).all(dim=1)[0]  # (T, H, W) latent positions identical in every channel
     assert same.float().mean() >= 1 - s.active_fraction - 1e-6
     assert not same.all()
@@ -61,8 +61,8 @@ def test_hit_resumes_and_keeps_cached_latent_outside_active(tmp_path):
     from carnator.reuse import discrepancies, noun_diff
     from carnator.signature import EarlySignature
 
-    assert a.stats.notes["signature"] == eng.bank.get(a.stats.entry_id).extra["signature"]
-    assert s.notes["signature"] == eng.bank.get(s.entry_id).extra["signature"]
+    assert a.stats.notes["signature"] == eng.store.get(a.stats.entry_id).extra["signature"]
+    assert s.notes["signature"] == eng.store.get(s.entry_id).extra["signature"]
     sig_b, sig_a = EarlySignature.from_dict(s.notes["signature"]), EarlySignature.from_dict(a.stats.notes["signature"])
     assert set(sig_b) == {"box", "grass"}
     d = discrepancies(sig_b, sig_a, noun_diff(["box", "grass"], ["ball", "grass"]))
@@ -82,8 +82,10 @@ def test_the_window_exists_only_when_the_active_region_is_partial(tmp_path, dila
     eng = make_engine(tmp_path, OPEN, scope=ScopeConfig(active_dilation=dilation, context_dilation=1),
                       region=RegionConfig(high=high, low=min(0.8, high / 2)))
     eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
-    ctrl, seen = eng.adapter.attention(), []
-    h = eng.pipe.transformer.register_forward_pre_hook(lambda m, a: seen.append(ctrl.window is not None))
+    from carnator.attention.state import current
+
+    seen = []
+    h = eng.pipe.transformer.register_forward_pre_hook(lambda m, a: seen.append(current().window is not None))
     try:
         b = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
     finally:
@@ -124,21 +126,35 @@ def test_threshold_file_read_another_way_is_refused(tmp_path):
     calibrated = CarnatorPolicy(modifiers=1)
     tau = Thresholds(context=1.0, size=0.5, shape=0.4, color=5.0, text=0.2)
     tau.save(path, model_id=eng.model_identity, reading=calibrated.reading())
-    assert CarnatorPolicy(modifiers=1, thresholds=str(path)).thresholds(eng) == tau
+    from carnator.policies import ModelInfo
+
+    model = ModelInfo(eng.model_identity, "embedded")
+    pol = CarnatorPolicy(modifiers=1, thresholds=str(path))
+    pol.prepare(model)
+    assert pol.tau == tau and not pol.certified
     with pytest.raises(CarnatorError, match="modifiers: file 1, policy 0"):
-        CarnatorPolicy(modifiers=0, thresholds=str(path)).thresholds(eng)
+        CarnatorPolicy(modifiers=0, thresholds=str(path)).prepare(model)
     with pytest.raises(CarnatorError, match="region"):
-        CarnatorPolicy(modifiers=1, region={"high": 0.5}, thresholds=str(path)).thresholds(eng)
+        CarnatorPolicy(modifiers=1, region={"high": 0.5}, thresholds=str(path)).prepare(model)
+    # the engine builds its policies when it starts: a bad file fails there, before any request
+    with pytest.raises(CarnatorError, match="modifiers"):
+        Carnator(eng.pipe, tmp_path / "c2", adapter=eng.adapter, embedder=bag_of_words_embedder(),
+                 config=EngineConfig(policy_options={"carnator": {"modifiers": 0, "thresholds": str(path)}}))
+    with pytest.raises(CarnatorError, match="does not exist"):
+        Carnator(eng.pipe, tmp_path / "c3", adapter=eng.adapter, embedder=bag_of_words_embedder(),
+                 config=EngineConfig(policy_options={"carnator": {"thresholds": str(tmp_path / "none.json")}}))
 
 
 def test_policy_option_flags_are_checked():
     from carnator.cli import _policy_options
 
-    assert _policy_options(["carnator.modifiers=1", "carnator.region={\"high\": 0.4}", "carnator.thresholds=/tmp/t.json"]) == {
-        "carnator": {"modifiers": 1, "region": {"high": 0.4}, "thresholds": "/tmp/t.json"}}
+    assert _policy_options(["carnator.modifiers=1", "carnator.region={\"high\": 0.4}"]) == {
+        "carnator": {"modifiers": 1, "region": {"high": 0.4}}}
+    with pytest.raises(CarnatorError, match="does not exist"):  # checked when the policy is built, not at the first candidate
+        _policy_options(["carnator.thresholds=/no/such/file.json"])
     for bad, msg in (("carnator.modifiers", "POLICY.FIELD=VALUE"), ("modifiers=1", "POLICY.FIELD=VALUE"),
                      ("nope.modifiers=1", "unknown policy 'nope'"), ("carnator.modifier=1", "its fields: top_k"),
-                     ("carnator.modifiers=-1", "must be >= 0")):
+                     ("carnator.modifiers=-1", "integer >= 0")):
         with pytest.raises(CarnatorError, match=msg):
             _policy_options([bad])
 
@@ -177,15 +193,15 @@ def test_a_reused_video_is_an_exact_hit_for_carnator_but_not_for_dense(tmp_path)
     eng = make_engine(tmp_path, OPEN)
     a = eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
     b = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
-    assert b.stats.hit and eng.bank.get(b.stats.entry_id).extra["approximate"] is True
-    assert eng.bank.get(a.stats.entry_id).extra["approximate"] is False
+    assert b.stats.hit and eng.store.get(b.stats.entry_id).extra["approximate"] is True
+    assert eng.store.get(a.stats.entry_id).extra["approximate"] is False
     again = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
     assert again.stats.exact_hit and again.stats.source_id == b.stats.entry_id
     dense = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS, policy="dense")
     assert not dense.stats.exact_hit and not dense.stats.hit
     assert dense.stats.dit_forwards == 2 * STEPS
     # and a dense video of an identical request is served to dense
-    dense2 = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS, policy="dense")
+    dense2 = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS, policy="dense", cache="exact")
     assert dense2.stats.exact_hit and dense2.stats.source_id == dense.stats.entry_id
 
 
@@ -209,8 +225,8 @@ def test_prefetch_reads_the_first_candidate_beside_the_probe_and_changes_nothing
     for prefetch in (True, False):
         eng = make_engine(tmp_path / str(prefetch), OPEN, prefetch=prefetch)
         eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
-        loads, load = [], eng.bank.load
-        eng.bank.load = lambda entry_id, *a, **k: loads.append(threading.current_thread().name) or load(entry_id, *a, **k)
+        loads, load = [], eng.store.load
+        eng.store.load = lambda entry_id, *a, **k: loads.append(threading.current_thread().name) or load(entry_id, *a, **k)
         b = eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
         assert b.stats.hit
         assert [n.startswith("carnator-prefetch") for n in loads] == [prefetch]

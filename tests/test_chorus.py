@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import logging
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from carnator import Carnator, EngineConfig, denoise
-from carnator.attention.controller import Amplification, AttentionController
+from carnator.attention.state import Amplification, AttentionPlan, AttentionSession, StepAttention, attention_step
 from carnator.policies.baselines import TextGate
 from carnator.policies.chorus import (
     XATTN_PREFIX,
     ChorusConfig,
     ChorusPolicy,
     attributes,
-    cross_attention_region,
     prompt_diff,
     prompt_words,
 )
-from carnator.reuse import reuse_scope, upsample_tokens
+from carnator.reuse import cross_attention_region, reuse_scope, upsample_tokens
+from carnator.signature.nouns import extract_nouns
 from carnator.testing import TINY_SETTINGS, hashed_embedder, tiny_pipeline
 
 RED = "a small red ball moving left on grass"
@@ -34,9 +33,10 @@ STEPS = 10  # stages: [0, 3) from the source, [3, 8) region recompute + TGAA, [8
 
 
 def test_attributes_are_the_adjective_run_before_each_noun():
-    assert attributes("a big blue box and a tiny green star on grass") == {"box": {"big", "blue"}, "star": {"tiny", "green"}, "grass": set()}
-    assert attributes("on a snowy slope, a ball rises") == {"slope": {"snowy"}, "ball": set()}
-    assert prompt_words("a big blue box on grass") == ["big", "blue", "box", "grass"]
+    assert attributes("a big blue box and a tiny green star on grass", ["box", "star", "grass"]) == {
+        "box": {"big", "blue"}, "star": {"tiny", "green"}, "grass": set()}
+    assert attributes("on a snowy slope, a ball rises", ["slope", "ball"]) == {"slope": {"snowy"}, "ball": set()}
+    assert prompt_words("a big blue box on grass", ["box", "grass"]) == ["big", "blue", "box", "grass"]
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_attributes_are_the_adjective_run_before_each_noun():
     ],
 )
 def test_prompt_diff(target, source, t_tokens, s_tokens, t_region, s_region):
-    d = prompt_diff(target, source)
+    d = prompt_diff(target, source, extract_nouns(target), extract_nouns(source))
     assert d.target_tokens == t_tokens and d.source_tokens == s_tokens
     assert d.target_region_words == t_region and d.source_region_words == s_region
     assert d.empty == (not t_tokens and not s_tokens)
@@ -90,8 +90,7 @@ def test_cross_attention_region_known_answer():
 
 
 def test_cross_bias_multiplies_the_weights_of_the_amplified_tokens():
-    ctrl = AttentionController(branches=(0, 1), step=4)
-    ctrl.amplify = Amplification([1, 3], 3.0, range(3, 6))
+    ctrl = StepAttention(AttentionPlan(amplify=Amplification((1, 3), 3.0)), AttentionSession(), 4, branches=(0, 1))
     bias = ctrl.cross_bias(5, "cpu", torch.float32)
     assert bias.shape == (2, 1, 1, 5)
     assert torch.equal(bias[1], torch.zeros(1, 1, 5))  # the uncond branch is untouched
@@ -99,16 +98,15 @@ def test_cross_bias_multiplies_the_weights_of_the_amplified_tokens():
     p, q = torch.softmax(logits, -1), torch.softmax(logits + bias[0, 0, 0], -1)
     w = p * torch.tensor([1.0, 3.0, 1.0, 3.0, 1.0])
     torch.testing.assert_close(q, w / w.sum())
-    ctrl.step = 6
-    assert ctrl.cross_bias(5, "cpu", torch.float32) is None  # outside its steps
-    ctrl.step, ctrl.amplify.scale = 4, 1.0
-    assert ctrl.cross_bias(5, "cpu", torch.float32) is None  # scale 1: the plain kernel
+    plain = StepAttention(AttentionPlan(amplify=Amplification((1, 3), 1.0)), AttentionSession(), 4, branches=(0, 1))
+    assert plain.cross_bias(5, "cpu", torch.float32) is None  # scale 1: the plain kernel
+    assert StepAttention(AttentionPlan(), AttentionSession(), 4, branches=(0, 1)).cross_bias(5, "cpu", torch.float32) is None
 
 
 def test_tgaa_scale_one_is_exactly_no_amplification_on_tiny_wan(tmp_path):
     eng = Carnator(tiny_pipeline("wan"), tmp_path, embedder=hashed_embedder(64))
     ad = eng.adapter
-    ctrl = ad.attention()
+    ad.ensure_attention()
     req = ad.resolve("a red ball on grass", seed=0, **TINY_SETTINGS["wan"])
     cond = ad.encode(req)
     st = denoise.start(ad, req)
@@ -116,13 +114,12 @@ def test_tgaa_scale_one_is_exactly_no_amplification_on_tiny_wan(tmp_path):
     assert len(pos) == 3  # byte-level tokens of "red"
 
     def predict(amp):
-        ctrl.amplify = amp
-        return ad.predict(st.latents, st.timesteps[0], 0, cond, req)
+        with attention_step(AttentionPlan(amplify=amp), AttentionSession(), 0):
+            return ad.predict(st.latents, st.timesteps[0], 0, cond, req)
 
     plain = predict(None)
-    assert torch.equal(predict(Amplification(pos, 1.0)), plain)
-    assert torch.equal(predict(Amplification(pos, 4.0, range(1, 3))), plain)  # not at this step
-    assert not torch.allclose(predict(Amplification(pos, 4.0)), plain)
+    assert torch.equal(predict(Amplification(tuple(pos), 1.0)), plain)
+    assert not torch.allclose(predict(Amplification(tuple(pos), 4.0)), plain)
 
 
 # ---- the policy end to end --------------------------------------------------------------------------------
@@ -143,16 +140,16 @@ def test_chorus_three_stages_on_the_embedded_model(embedded_pipe, tmp_path):
     eng = _engine(embedded_pipe, tmp_path / "c", capture_steps="all")  # stage 3's latents are compared below
     a = eng.generate(RED, seed=1, policy="chorus", num_inference_steps=STEPS)
     assert not a.stats.hit and a.stats.dit_forwards == 2 * STEPS
-    ea = eng.bank.load(a.stats.entry_id)
+    ea = eng.store.load(a.stats.entry_id)
     assert {k for k in ea if k.startswith(XATTN_PREFIX)} == {XATTN_PREFIX + w for w in ("small", "red", "ball", "grass")}
-    assert eng.bank.get(a.stats.entry_id).extra["chorus"] == {"record_step": 3, "record_layer": 3}
+    assert eng.store.get(a.stats.entry_id).extra["chorus"] == {"record_step": 3, "record_layer": 3}
 
     b = eng.generate(BLUE, seed=2, policy="chorus", num_inference_steps=STEPS)
     s = b.stats
     assert s.hit and s.source_id == a.stats.entry_id and s.resume_step == 3
     assert s.dit_forwards == 2 * (STEPS - 3)
     assert s.notes["diff"] == {"target": ["blue"], "source": ["red"]} and s.notes["localized"]
-    eb = eng.bank.load(s.entry_id)
+    eb = eng.store.load(s.entry_id)
 
     # The region, recomputed from the stored responses: the target's blue and ball (recorded by this
     # request at step 3) and the source's red and ball (recorded by the source at step 3).
@@ -203,14 +200,18 @@ def test_chorus_hits_on_tiny_wan(tmp_path):
     assert b.stats.dit_forwards == 2 * (8 - 2) and b.stats.notes["amplified_tokens"] == 4  # bytes of "blue"
 
 
-def test_shares_the_text_gate_and_falls_back_to_dense_without_attention(caplog):
+def test_shares_the_text_gate_and_falls_back_to_dense_without_attention(caplog, tmp_path):
     pol = ChorusPolicy()
-    assert type(pol.gate) is TextGate and pol.gate == TextGate()
-    ctx = SimpleNamespace(adapter=SimpleNamespace(supports_attention=False, family="ltx"))
-    with caplog.at_level(logging.WARNING, logger="carnator"):
-        p = pol.plan(ctx)
-        pol.plan(ctx)
-    assert not p.hit and p.init_latents is None and p.hooks is None and p.notes == {"fallback": "dense"}
-    assert sum("chorus" in r.getMessage() for r in caplog.records) == 1  # warned once
-    assert pol.entry_tensors(SimpleNamespace(adapter=ctx.adapter)) == {}
+    assert type(pol.gate) is TextGate and pol.gate == TextGate() and pol.needs_attention
     assert math.isclose(ChorusPolicy(tgaa_scale=3.0).cfg.tgaa_scale, 3.0)
+    eng = Carnator(tiny_pipeline("wan"), tmp_path, embedder=hashed_embedder(64))
+    type(eng.adapter).supports_attention = False  # a family without carnator's processors
+    try:
+        with caplog.at_level(logging.WARNING, logger="carnator"):
+            a = eng.generate("a red ball on grass", seed=1, policy="chorus", **TINY_SETTINGS["wan"])
+            b = eng.generate("a blue ball on grass", seed=2, policy="chorus", **TINY_SETTINGS["wan"])
+    finally:
+        type(eng.adapter).supports_attention = True
+    assert not a.stats.hit and not b.stats.hit and b.stats.notes["fallback"] == "dense"
+    assert sum("chorus" in r.getMessage() for r in caplog.records) == 1  # warned once
+    assert not any(k.startswith(XATTN_PREFIX) for k in eng.store.get(a.stats.entry_id).tensor_names)

@@ -7,33 +7,30 @@ import pytest
 import torch
 
 from carnator.attention.blockmask import BlockMaskSet
-from carnator.attention.controller import Amplification, AttentionController, SparseConfig, WindowPlan
+from carnator.attention.state import Amplification, AttentionPlan, RecordSpec, SparseConfig, WindowPlan
+from carnator.denoise import Program
 from carnator.errors import InvalidRequestError
 
 
-def test_idle_at_is_false_wherever_a_processor_would_act():
-    c = AttentionController()
-    assert all(c.idle_at(s) for s in range(10))
-    c.record_step = 3
-    assert not c.idle_at(3) and c.idle_at(2) and c.idle_at(4)
-    c.record_step = None
-    c.sparse = SparseConfig(block=8, stride=5)
-    assert [s for s in range(12) if not c.idle_at(s)] == [0, 5, 10]  # mask capture every 5th step
-    c.sparse = SparseConfig(block=8, stride=5, steps=(5,))
-    assert [s for s in range(12) if not c.idle_at(s)] == [5]
-    c.sparse = None
-    c.amplify = Amplification([1], 2.0, range(2, 4))
-    assert [s for s in range(6) if not c.idle_at(s)] == [2, 3]
-    c.amplify = Amplification([1], 1.0, None)  # scale 1 is no amplification
-    assert c.idle_at(2)
-    c.amplify = None
-    c.masks = BlockMaskSet.empty(num_heads=1, q_len=16, kv_len=16, block=8)
-    assert not c.idle_at(7)
-    c.masks = None
-    c.window = WindowPlan(range(1, 2), torch.tensor([0]), torch.tensor([0, 1]))
-    assert not c.idle_at(7)
-    c.reset()
-    assert c.idle_at(7)
+def test_a_step_is_idle_only_where_no_processor_would_act():
+    """The loop replays a forward as a CUDA graph only at steps whose attention plan is idle."""
+    from carnator.plan import Phase, ReusePlan
+
+    def idle(program, steps):
+        return [s for s in range(steps) if not program.attention(s).idle]
+
+    assert idle(Program(), 10) == []
+    assert idle(Program.probe(4, RecordSpec(1, (0,)), None), 10) == [3]  # the probe's record
+    assert idle(Program(capture=SparseConfig(block=8, stride=5)), 12) == [0, 5, 10]  # mask capture every 5th step
+    assert idle(Program(capture=SparseConfig(block=8, stride=5, steps=(5,))), 12) == [5]
+    amp = Program(phases=(Phase(2, 4, amplify=Amplification((1,), 2.0)),))
+    assert idle(amp, 6) == [2, 3]
+    assert idle(Program(phases=(Phase(2, 4, amplify=Amplification((1,), 1.0)),)), 6) == []  # scale 1 is no amplification
+    masks = BlockMaskSet.empty(num_heads=1, q_len=16, kv_len=16, block=8)
+    assert idle(Program(phases=(Phase(3, 6, masks=True),), masks=masks), 8) == [3, 4, 5]
+    assert idle(Program(phases=(Phase(3, 6, masks=True),)), 8) == []  # no masks bound: nothing applied
+    assert AttentionPlan(window=WindowPlan(range(1, 2), torch.tensor([0]), torch.tensor([0, 1]))).idle is False
+    assert AttentionPlan().idle and ReusePlan().phases == ()
 
 
 def test_only_the_embedded_adapter_offers_graphs():
@@ -56,7 +53,7 @@ def test_graphed_generation_equals_eager_on_cuda(tmp_path):
         eng = Carnator.from_pretrained("embedded", cache_dir=tmp_path / str(graphs), device="cuda",
                                        config=EngineConfig(cuda_graphs=graphs, store_video=False))
         for pol in ("dense", "carnator"):
-            res = eng.generate("a red ball moving left on grass", seed=3, policy=pol, reuse=False)
+            res = eng.generate("a red ball moving left on grass", seed=3, policy=pol, cache="off")
             runs[graphs, pol] = torch.from_numpy(res.video)
         assert bool(eng.adapter.__dict__.get("_graphs")) == graphs
     for pol in ("dense", "carnator"):

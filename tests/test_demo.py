@@ -32,7 +32,7 @@ def test_demo_stream(demo):
     eng, tmp, rows, lines = demo
     out = tmp / "out"
     assert len(rows) == len(STREAM)
-    assert lines[0] == f"cache: {eng.bank.root} (empty: a fresh start)"
+    assert lines[0] == f"cache: {eng.store.root} (empty: a fresh start)"
     # request 6 repeats request 0 exactly (prompt and seed): served from the exact tier, from request 0's entry
     assert STREAM[6] == STREAM[0]
     r0, r6 = rows[0], rows[6]
@@ -48,7 +48,7 @@ def test_demo_stream(demo):
             assert r["decision"] == "miss" and r["steps_computed"] == STEPS and r["dit_forwards"] == 2 * STEPS
             assert r["reason"] == f"generated densely: {STEPS} steps <= the 4-step probe"
     # the warm-up (seed 0) and the dense runs were not stored: only the stream's own entries are anyone's source
-    assert all(e.seed != 0 for e in eng.bank.entries()) and len(eng.bank.entries()) == len(STREAM) - 1
+    assert all(e.seed != 0 for e in eng.store.entries()) and len(eng.store.entries()) == len(STREAM) - 1
     doc = json.loads((out / "demo.json").read_text())
     assert doc["requests"] == rows and doc["steps"] == STEPS and doc["cache"]["replaying"] is False
     t = doc["totals"]
@@ -62,7 +62,7 @@ def test_a_second_run_on_the_same_cache_says_it_replays(demo, tmp_path):
     eng, *_ = demo
     lines: list[str] = []
     rows = run_demo(eng, tmp_path / "again", steps=STEPS, progress=lines.append)
-    assert lines[0].startswith(f"cache: {eng.bank.root} holds 11 entries from an earlier run: replaying")
+    assert lines[0].startswith(f"cache: {eng.store.root} holds 11 entries from an earlier run: replaying")
     assert all(r["decision"] == "exact hit" for r in rows)  # what issue 28 saw: the story is gone, and now it says so
     assert all(r["source_request"] is None and r["source_gif"] for r in rows)  # the sources' clips come from the cache
     assert "replays" in (tmp_path / "again" / "index.html").read_text()

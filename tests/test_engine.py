@@ -16,7 +16,7 @@ import torch
 
 from carnator.backbones import adapter_for
 from carnator.cache import CacheBank
-from carnator.denoise import StepHooks, run_steps, start
+from carnator.denoise import Program, run_steps, start
 from carnator.embed import TextEmbedder
 from carnator.engine import Carnator
 from carnator.errors import CarnatorError, InvalidRequestError, ModelLoadError
@@ -74,8 +74,9 @@ def saved_dir(pipe, tmp_path_factory):
 
 
 def gen(eng: Carnator, prompt: str = PROMPT, **kw):
-    """``eng.generate`` with this file's request: the dense policy, SEED and the small settings S."""
-    return eng.generate(prompt, **{"seed": SEED, "policy": "dense", **S, **kw})
+    """``eng.generate`` with this file's request: the dense policy with exact hits (``cache="exact"``), SEED and the
+    small settings S."""
+    return eng.generate(prompt, **{"seed": SEED, "policy": "dense", "cache": "exact", **S, **kw})
 
 
 def count_forwards(module: torch.nn.Module):
@@ -102,7 +103,7 @@ def test_dense_generate_equals_pipeline(engine, ref_video):
     assert all(v >= 0 for v in st.timings.values())
     assert st.timings["total"] >= st.timings["dit"]
     assert st.dit_forwards == 2 * STEPS  # CFG: two transformer calls a step
-    assert st.entry_id is not None and st.entry_id in engine.bank
+    assert st.entry_id is not None and st.entry_id in engine.store
     assert steps_seen == [(i, STEPS) for i in range(1, STEPS + 1)]
     assert res.request.num_inference_steps == STEPS and res.request.seed == SEED
 
@@ -119,7 +120,7 @@ def test_identical_request_is_exact_hit(engine, pipe):
     assert again.stats.dit_forwards == 0 and calls == []
     assert again.frames.dtype == np.uint8
     np.testing.assert_array_equal(again.frames, first.frames)
-    assert engine.bank.get(first.stats.entry_id).use_count == 1
+    assert engine.store.get(first.stats.entry_id).use_count == 1
     assert "total" in again.stats.timings
 
 
@@ -150,12 +151,12 @@ def test_changed_request_is_not_exact_hit(engine, pipe, change):
     assert engine.is_cached(prompt, **kw)
     assert not res.stats.exact_hit and not res.stats.hit
     assert res.stats.dit_forwards > 0 and len(calls) == res.stats.dit_forwards
-    assert len(engine.bank) == 2  # the changed request is an entry of its own
+    assert len(engine.store) == 2  # the changed request is an entry of its own
 
 
 def test_store_false_keeps_nothing(engine):
     res = gen(engine, store=False)
-    assert res.stats.entry_id is None and len(engine.bank) == 0
+    assert res.stats.entry_id is None and len(engine.store) == 0
     assert not gen(engine, store=False).stats.exact_hit
 
 
@@ -164,25 +165,30 @@ def test_store_false_keeps_nothing(engine):
 
 def test_entry_stores_whole_trajectory(engine, ref_pipe):
     res = gen(engine)
-    tensors = engine.bank.load(res.stats.entry_id)
+    tensors = engine.store.load(res.stats.entry_id)
     assert tensors is not None
-    assert {f"traj.{i}" for i in range(STEPS)} | {"final", "video"} <= set(tensors)
-    assert torch.equal(tensors[f"traj.{STEPS - 1}"], tensors["final"])
+    assert {f"traj.{i}" for i in range(STEPS)} | {"video"} <= set(tensors)
     np.testing.assert_array_equal(tensors["video"].numpy(), res.frames)
+    assert set(engine.store.load(res.stats.entry_id, ["video"])) == {"video"}  # an exact hit reads the video alone
 
     # The latents the loop produced, recorded independently by a hook on a separate pipeline.
     ad = adapter_for(ref_pipe)
     req = ad.resolve(PROMPT, seed=SEED, **S)
     seen: dict[int, torch.Tensor] = {}
     st = start(ad, req)
-    run_steps(ad, st, ad.encode(req), req, hooks=StepHooks(after_step=lambda i, s: seen.__setitem__(i, s.latents.clone()) or None))
+
+    class Recorder(Program):  # the loop's latent after each step, as a program sees it
+        def after_step(self, step, state):
+            seen[step] = state.latents.clone()
+
+    run_steps(ad, st, ad.encode(req), req, program=Recorder())
     assert sorted(seen) == list(range(STEPS))
     for k in range(STEPS):
         stored = tensors[f"traj.{k}"]
         assert stored.dtype == torch.float32 and stored.shape == seen[k].shape
         assert torch.equal(stored, seen[k].cpu()), f"traj.{k} differs from the loop's latent"
     assert not torch.equal(tensors["traj.0"], tensors["traj.1"])
-    assert engine.bank.get(res.stats.entry_id).extra["steps"] == STEPS
+    assert engine.store.get(res.stats.entry_id).extra["steps"] == STEPS
 
 
 # ---- a damaged cache is a miss, never a crash ---------------------------------------------------
@@ -190,7 +196,7 @@ def test_entry_stores_whole_trajectory(engine, ref_pipe):
 
 def _blob(engine, entry_id, kind="video"):
     """An entry's blob: an exact hit reads its video blob alone, reuse its tensors blob."""
-    return engine.bank.root / "blobs" / f"{entry_id}.{kind}.safetensors"
+    return engine.store.root / "blobs" / f"{entry_id}.{kind}.safetensors"
 
 
 def test_corrupt_exact_hit_entry_is_recomputed(engine, caplog):
@@ -204,8 +210,8 @@ def test_corrupt_exact_hit_entry_is_recomputed(engine, caplog):
     assert not again.stats.exact_hit and again.stats.dit_forwards == 2 * STEPS
     np.testing.assert_array_equal(again.frames, first.frames)
     assert again.stats.entry_id not in (None, first.stats.entry_id)
-    assert first.stats.entry_id not in engine.bank
-    assert any((engine.bank.root / "quarantine").iterdir())
+    assert first.stats.entry_id not in engine.store
+    assert any((engine.store.root / "quarantine").iterdir())
     # the recomputed entry serves the next identical request
     assert gen(engine).stats.exact_hit
 
@@ -220,7 +226,7 @@ def test_missing_exact_hit_file_is_recomputed(engine):
 
 def test_failed_admission_still_returns_the_video(engine, caplog):
     """The cache's blob directory turns into a file (disk trouble): the result is returned, not stored."""
-    tensors = engine.bank.root / "blobs"
+    tensors = engine.store.root / "blobs"
     for f in tensors.iterdir():
         f.unlink()
     tensors.rmdir()
@@ -228,7 +234,7 @@ def test_failed_admission_still_returns_the_video(engine, caplog):
     res = gen(engine)
     assert res.frames.shape == (5, 16, 16, 3)
     assert res.stats.entry_id is None and "store_error" in res.stats.notes
-    assert len(engine.bank) == 0
+    assert len(engine.store) == 0
     assert "could not store" in caplog.text
 
 
@@ -236,17 +242,30 @@ def test_admission_oserror_is_not_fatal(engine, monkeypatch):
     def boom(*_, **__):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(engine.bank, "admit", boom)
+    monkeypatch.setattr(engine.store, "admit", boom)
     res = gen(engine)
     assert res.stats.entry_id is None and "No space left" in res.stats.notes["store_error"]
 
 
-def test_cache_of_another_embedder_is_not_fatal(pipe, tmp_path):
-    gen(Carnator(pipe, tmp_path, embedder=fake_embedder(32)))
-    eng = Carnator(pipe, tmp_path, embedder=fake_embedder(16))
-    res = gen(eng, seed=SEED + 1)
-    assert res.stats.entry_id is None and "32-d" in res.stats.notes["store_error"]
-    assert len(eng.bank) == 1
+def test_entries_of_another_embedder_are_never_recalled(pipe, tmp_path):
+    """Recall embeddings of two embedders are not comparable: the compatibility key carries the embedder's identity,
+    so workers with another embedder (even one of the same size) share the folder without mixing entries."""
+    a = Carnator(pipe, tmp_path, embedder=fake_embedder(32))
+    first = gen(a, policy="nirvana", cache="reuse")
+    assert gen(a, policy="nirvana", cache="reuse", seed=SEED + 1).stats.source_id == first.stats.entry_id  # recalled by its own
+    b = Carnator(pipe, tmp_path, embedder=fake_embedder(16))
+    res = gen(b, policy="nirvana", cache="reuse", seed=SEED + 2)
+    assert not res.stats.hit and res.stats.entry_id is not None and "store_error" not in res.stats.notes
+    assert a.compat_key(res.request, "nirvana") != b.compat_key(res.request, "nirvana")
+
+
+def test_dense_runs_densely_unless_it_asks_for_exact_hits(engine):
+    """A user asking for dense gets a dense run (issue 28): the dense policy reads no cache by default."""
+    first = gen(engine)
+    again = engine.generate(PROMPT, seed=SEED, policy="dense", **S)
+    assert not again.stats.exact_hit and again.stats.dit_forwards == 2 * STEPS
+    np.testing.assert_array_equal(again.frames, first.frames)
+    assert gen(engine).stats.exact_hit  # cache="exact": the stored video
 
 
 # ---- user mistakes ------------------------------------------------------------------------------
@@ -290,7 +309,7 @@ def test_bad_input_is_one_line_invalid_request(engine, pipe, bad):
         handle.remove()
     msg = str(ei.value)
     assert msg and "\n" not in msg
-    assert calls == [] and len(engine.bank) == 0
+    assert calls == [] and len(engine.store) == 0
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -377,7 +396,7 @@ def test_cache_dir_env_is_honoured(pipe, tmp_path, monkeypatch):
     target = tmp_path / "from-env"
     monkeypatch.setenv("CARNATOR_CACHE_DIR", str(target))
     eng = Carnator(pipe, embedder=fake_embedder())
-    assert eng.bank.root == target
+    assert eng.store.root == target
     res = gen(eng)
     assert (target / "blobs" / f"{res.stats.entry_id}.video.safetensors").exists()
     assert CacheBank(target).get(res.stats.entry_id) is not None
@@ -386,7 +405,7 @@ def test_cache_dir_env_is_honoured(pipe, tmp_path, monkeypatch):
 def test_open_bank_can_be_passed(pipe, tmp_path):
     bank = CacheBank(tmp_path / "b")
     eng = Carnator(pipe, bank, embedder=fake_embedder())
-    assert eng.bank is bank
+    assert eng.store is bank
 
 
 @pytest.mark.slow
@@ -394,7 +413,7 @@ def test_default_embedder_is_minilm(pipe, tmp_path):
     eng = Carnator(pipe, tmp_path)
     res = gen(eng)
     assert res.stats.entry_id is not None
-    meta = eng.bank.get(res.stats.entry_id)
+    meta = eng.store.get(res.stats.entry_id)
     assert meta.embedding.shape == (384,)
     # semantically close prompts are closer than unrelated ones
     e = eng.embedder
@@ -403,15 +422,16 @@ def test_default_embedder_is_minilm(pipe, tmp_path):
     assert near > far + 0.2
 
 
-def test_an_attention_plan_left_by_one_engine_never_reaches_another_on_the_same_pipeline(tmp_path, ref_video):
-    """Two engines over one pipeline (as ``bench-scale`` builds a second one for a composed run) share one
-    transformer, hence one set of carnator processors: the second engine's request starts from a reset plan."""
+def test_an_attention_plan_applies_inside_its_step_only(tmp_path, ref_video):
+    """The processors hold no request state: a plan applies to the forwards of its own step, in its own thread; the
+    same transformer outside any step, or in a second engine over the same pipeline, computes the plain attention."""
     from carnator.attention.blockmask import BlockMaskSet, num_blocks
+    from carnator.attention.state import AttentionPlan, AttentionSession, attention_step
     from carnator.request import Request
 
     pipe = tiny_pipeline("wan")
     first = Carnator(pipe, tmp_path / "a", embedder=fake_embedder())
-    ctrl = first.adapter.attention()
+    first.adapter.ensure_attention()
     t, h, w = first.adapter.token_grid(Request(prompt=PROMPT, seed=SEED, **S))
     n, heads, block = t * h * w, pipe.transformer.config.num_attention_heads, 1
     nb = num_blocks(n, block)
@@ -419,18 +439,48 @@ def test_an_attention_plan_left_by_one_engine_never_reaches_another_on_the_same_
     for layer in range(first.adapter.num_layers()):
         for br in (0, 1):
             ms.add(0, br, layer, torch.eye(nb, dtype=torch.bool).expand(heads, nb, nb).clone())  # own block only
-    ctrl.use_masks(ms)
-    # the plan is real: applied, it changes a forward of the transformer
     x = torch.randn(1, 16, t, 2 * h, 2 * w, generator=torch.Generator().manual_seed(0))  # patch (1, 2, 2)
     kw = {"hidden_states": x, "timestep": torch.tensor([500.0]), "encoder_hidden_states": torch.randn(1, 8, pipe.transformer.config.text_dim), "return_dict": False}
     with torch.no_grad():
-        masked = pipe.transformer(**kw)[0]
-        ctrl.use_masks(None)
+        with attention_step(AttentionPlan(masks=ms), AttentionSession(), 0):
+            masked = pipe.transformer(**kw)[0]
         plain = pipe.transformer(**kw)[0]
-        ctrl.use_masks(ms)
-    assert (masked - plain).abs().max() > 1e-3
+    assert (masked - plain).abs().max() > 1e-3  # the plan is real: applied, it changes a forward
     second = Carnator(pipe, tmp_path / "b", embedder=fake_embedder())  # a new adapter on the same transformer
     assert float(np.abs(gen(second, store=False).video - ref_video).max()) <= 1e-6
+
+
+def test_two_requests_in_two_threads_give_the_frames_each_gives_alone(tmp_path):
+    """One engine, two threads, different requests and policies at once (a probe recording evidence, a reuse applying
+    a blend and a window): each result equals the one it gives alone, bit for bit (own scheduler, own attention
+    state; the issue-29 outside test saw 10 of 10 such runs raise before the redesign)."""
+    import threading
+
+    eng = Carnator.from_pretrained("embedded", tmp_path / "c", device="cpu", embedder=hashed_embedder(64))
+    jobs = [("a small red ball moving left on grass", 5, "carnator"), ("a big yellow star bouncing at night", 8, "dense"),
+            ("a small blue ball moving left on grass", 3, "nirvana")]
+    eng.generate(jobs[0][0], seed=1, num_inference_steps=34)  # the re-roll's source: job 0 is a hit
+    alone = {j: eng.generate(p, seed=s, policy=pol, num_inference_steps=34, store=False) for j, (p, s, pol) in enumerate(jobs)}
+    assert alone[0].stats.hit
+    for _ in range(2):
+        got, errors = {}, []
+
+        def run(j):
+            try:
+                p, s, pol = jobs[j]
+                got[j] = eng.generate(p, seed=s, policy=pol, num_inference_steps=34, store=False)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(j,)) for j in range(len(jobs))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        for j in range(len(jobs)):
+            assert got[j].stats.hit == alone[j].stats.hit
+            assert np.array_equal(got[j].frames, alone[j].frames), f"job {j} differs when run beside the others"
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -115,7 +115,7 @@ def test_resume_from_trajectory_equals_dense(family):
     dense = run_steps(ad, start(ad, req), cond, req, capture={k - 1})
     st = start(ad, req)
     st.latents, st.next_step = dense.trajectory[k - 1].clone(), k
-    ad.seek(k)
+    ad.seek(st.scheduler, k)
     run_steps(ad, st, cond, req)
     assert float((st.latents - dense.latents).abs().max()) <= 1e-6
 

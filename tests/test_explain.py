@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from carnator import Carnator
-from carnator.explain import _first_tested, cfg_branches, describe
+from carnator.explain import describe
 from carnator.testing import hashed_embedder
 
 PROMPT = "a small red ball moving left on grass"
@@ -21,7 +21,6 @@ def stream(tmp_path_factory):
     first.why = describe(eng, first)
     reroll = eng.generate(PROMPT, seed=5, num_inference_steps=STEPS)
     reroll.why = describe(eng, reroll)
-    reroll.rederived = _first_tested(eng, reroll, reroll.stats.notes["candidates"])
     edit = eng.generate(PROMPT.replace("red", "blue"), seed=3, num_inference_steps=STEPS)
     edit.why = describe(eng, edit)
     return eng, first, reroll, edit
@@ -29,7 +28,7 @@ def stream(tmp_path_factory):
 
 def test_steps_are_dit_forwards_over_cfg_branches(stream):
     eng, first, reroll, _ = stream
-    assert cfg_branches(eng, first.request) == 2  # guidance 4 > 1
+    assert first.stats.dense_forwards == 2 * STEPS  # guidance 4 > 1: two branches a step
     a, b = first.why, reroll.why
     assert (a.decision, a.steps_computed, a.dit_forwards) == ("miss", STEPS, 2 * STEPS)
     # the hit: its 4 probe steps and steps 30 and 31
@@ -43,13 +42,13 @@ def test_a_hit_names_its_source_and_the_policys_numbers(stream):
     d = reroll.stats.notes["discrepancies"]
     assert {c.name: c.value for c in why.checks} == {k: v for k, v in d.items() if v is not None}
     risk, threshold = why.risk
-    assert risk <= threshold == eng.policy("carnator").thresholds(eng).risk.threshold
+    assert risk <= threshold == eng.policy("carnator").tau.risk.threshold
     assert why.reason.startswith(f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1): risk {risk:.3f} <= ")
     assert why.headline == f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1); resumed at step 30 of {STEPS}"
-    # the re-derivation a miss's reason uses gives, on this hit, the discrepancies the policy decided on
-    meta, checks, rerisk = reroll.rederived
-    assert meta.id == first.stats.entry_id and [(c.name, c.value) for c in checks] == [(c.name, c.value) for c in why.checks]
-    assert rerisk == pytest.approx(why.risk)
+    # the tested candidates the policy records (a miss's reason reads them) are the winner with the same numbers
+    tested = reroll.stats.notes["tested"]
+    assert [t["id"] for t in tested] == [first.stats.entry_id] and tested[0]["risk"] == pytest.approx(risk)
+    assert {k: v for k, v in tested[0]["discrepancies"].items() if v is not None} == {c.name: c.value for c in why.checks}
 
 
 def test_a_miss_names_the_candidate_refused_and_why(stream):

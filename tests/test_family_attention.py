@@ -4,7 +4,7 @@ On each family's tiny offline pipeline, the transformer is called with exactly t
 adapter's ``predict`` gives it (one CFG batch), once with diffusers' processors (the reference) and
 once with carnator's installed:
 
-- a controller that asks for nothing reproduces diffusers' output;
+- an attention plan that asks for nothing reproduces diffusers' output;
 - an all-True block mask equals dense; a mask that drops blocks equals diffusers' own processor with
   its self-attention SDPA replaced by SDPA under the expanded element mask (joint families: the
   video-video part masked, text keys and text queries always attended);
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from carnator import Carnator, EngineConfig
 from carnator.attention.blockmask import BlockMaskSet, num_blocks
-from carnator.attention.controller import Amplification, WindowPlan
+from carnator.attention.state import Amplification, AttentionPlan, AttentionSession, RecordSpec, SparseConfig, StepAttention, WindowPlan, attention_step
 from carnator.backbones import adapter_for
 from carnator.reuse import Thresholds
 from carnator.testing import TINY_SETTINGS, hashed_embedder, tiny_pipeline
@@ -73,7 +73,8 @@ class Case:
         cond = self.ad.encode(self.req)
         assert cond.do_cfg
         lat = self.ad.prepare_latents(self.req, self.ad.make_generator(self.req))
-        ts = self.ad.timesteps(self.req)
+        ts = self.ad.timesteps(self.ad.new_scheduler(), self.req)
+        self.plan, self.session = AttentionPlan(), AttentionSession()
         calls: list[dict] = []
         tr = self.ad.transformer
         h = tr.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
@@ -121,14 +122,17 @@ class Case:
         return self.ad.transformer
 
     def forward(self) -> torch.Tensor:
-        with torch.no_grad():
+        """One transformer forward at step 0 under the plan of :meth:`attend` (idle by default)."""
+        with torch.no_grad(), attention_step(self.plan, self.session, 0) as st:
+            st.branches = self.branches
             return self.tr(**self.kwargs)[0].float()
 
-    def controller(self):
-        ctrl = self.ad.attention()
-        ctrl.reset()
-        ctrl.branches, ctrl.step = self.branches, 0
-        return ctrl
+    def attend(self, **plan) -> AttentionSession:
+        """Run the next forwards under ``AttentionPlan(**plan)`` with a fresh session (its record)."""
+        self.ad.ensure_attention()
+        self.plan = AttentionPlan(**plan)
+        self.session = AttentionSession()
+        return self.session
 
 
 @pytest.fixture(scope="module", params=ATTN_FAMILIES)
@@ -325,8 +329,8 @@ def test_adapter_declares_attention(case):
     assert case.ad.num_layers() == len(case.blocks())
 
 
-def test_idle_controller_reproduces_diffusers(case):
-    case.controller()
+def test_idle_plan_reproduces_diffusers(case):
+    case.attend()
     with case.diffusers():
         ref = case.forward()
     out = case.forward()
@@ -335,21 +339,21 @@ def test_idle_controller_reproduces_diffusers(case):
 
 
 def test_all_true_mask_equals_dense(case):
-    ctrl = case.controller()
+    case.attend()
     dense = case.forward()
     heads, nb = case.self_attn(0).heads, num_blocks(case.n, case.block)
-    ctrl.use_masks(_masks(case, lambda layer, br: torch.ones(heads, nb, nb, dtype=torch.bool)))
+    case.attend(masks=_masks(case, lambda layer, br: torch.ones(heads, nb, nb, dtype=torch.bool)))
     torch.testing.assert_close(case.forward(), dense, rtol=1e-5, atol=1e-6)
 
 
 def test_dropping_mask_equals_masked_sdpa_reference(case):
-    ctrl = case.controller()
+    case.attend()
     dense = case.forward()
     ms = _masks(case, lambda layer, br: _dropping_mask(case, layer, br))
     assert 0.2 < ms.density < 0.9
-    ctrl.use_masks(ms)
+    case.attend(masks=ms)
     out = case.forward()
-    ctrl.reset()
+    case.attend()
     per_layer = {
         layer: torch.stack([_dropping_mask(case, layer, br) for br in case.branches]) for layer in range(case.ad.num_layers())
     }
@@ -360,12 +364,9 @@ def test_dropping_mask_equals_masked_sdpa_reference(case):
 
 
 def test_capture_records_every_layer_and_branch(case):
-    ctrl = case.controller()
-    from carnator.attention.controller import SparseConfig
-
-    ctrl.sparse = SparseConfig(block=case.block, p=0.9)
+    session = case.attend(capture=SparseConfig(block=case.block, p=0.9))
     case.forward()
-    c = ctrl.captured
+    c = session.record.captured
     assert c is not None and c.q_len == case.n and c.block == case.block
     assert 0 < c.density <= 1
     for layer in range(case.ad.num_layers()):
@@ -383,10 +384,9 @@ def _check_recording(case: Case, layer: int):
     pos = ad.word_token_positions(PROMPT, "ball")
     ids = ad.prompt_token_ids(PROMPT)
     assert ad.pipe.tokenizer.decode([ids[p - ad.text_offset()] for p in pos]).strip() == "ball"
-    ctrl = case.controller()
-    ctrl.record_step, ctrl.record_layer, ctrl.record_positions = 0, layer, list(pos)
+    session = case.attend(record=RecordSpec(layer, tuple(pos)))
     q, kt, bias, qv, kv = _reference_qk(case, layer)
-    ev = ctrl.evidence
+    ev = session.record.evidence.get(0)
     heads = case.self_attn(0).heads
     assert ev is not None and ev.cross.shape == (heads, case.n, len(pos))
     rows = ev.cross.sum(-1)
@@ -424,11 +424,11 @@ def test_window_recomputes_active_tokens_only(case):
 
 
 def _check_window(case: Case, layer: int):
-    ctrl = case.controller()
+    case.attend()
     inp, dense_out, dense_txt = _block_io(case, layer)
     g = torch.Generator().manual_seed(5)
     active = torch.sort(torch.randperm(case.n, generator=g)[: case.n // 3]).values
-    ctrl.window = WindowPlan(range(layer, layer + 1), active, torch.arange(case.n))
+    case.attend(window=WindowPlan(range(layer, layer + 1), active, torch.arange(case.n)))
     inp_w, out_w, txt_w = _block_io(case, layer)
     torch.testing.assert_close(inp_w, inp)
     torch.testing.assert_close(out_w[:, active], dense_out[:, active], rtol=1e-5, atol=1e-5)
@@ -438,18 +438,18 @@ def _check_window(case: Case, layer: int):
     rest[active] = False
     assert torch.equal(out_w[:, rest], inp[:, rest])
     # a smaller Context changes the Active tokens
-    ctrl.window = WindowPlan(range(layer, layer + 1), active, active)
+    case.attend(window=WindowPlan(range(layer, layer + 1), active, active))
     _, out_c, _ = _block_io(case, layer)
     assert (out_c[:, active] - dense_out[:, active]).abs().max() > 1e-4
 
 
 def test_tgaa_amplifies_the_cond_row_only(case):
-    ctrl = case.controller()
+    case.attend()
     dense = case.forward()
-    pos = case.ad.word_token_positions(PROMPT, "ball")
-    ctrl.amplify = Amplification(pos, 1.0)
+    pos = tuple(case.ad.word_token_positions(PROMPT, "ball"))
+    case.attend(amplify=Amplification(pos, 1.0))
     assert torch.equal(case.forward(), dense)
-    ctrl.amplify = Amplification(pos, 4.0)
+    case.attend(amplify=Amplification(pos, 4.0))
     out = case.forward()
     b = case.branches.index(0)
     assert (out[b] - dense[b]).abs().max() > 1e-4
@@ -471,7 +471,7 @@ def test_carnator_policy_hits_warm_cache(family, tmp_path):
     settings = {**SETTINGS[family], "num_inference_steps": steps}
     a = eng.generate("a small red ball moving left on grass", seed=1, **settings)
     assert not a.stats.hit
-    entry = eng.bank.load(a.stats.entry_id)
+    entry = eng.store.load(a.stats.entry_id)
     assert any(k.startswith("attn.") for k in entry) and any(k.startswith("evidence.") for k in entry)
     b = eng.generate("a small red box moving left on grass", seed=2, **settings)
     s = b.stats
@@ -519,7 +519,6 @@ def test_joint_attention_known_answer(text_first, tgaa):
     """joint_attention with a block mask, rows with different valid text keys and (optionally) TGAA, against one
     masked softmax over the whole joint sequence: video-video limited to the mask, padded text keys never attended,
     text queries dense, and log(scale) added to the cond row's video-to-text logits of the amplified positions."""
-    from carnator.attention.controller import AttentionController
     from carnator.backbones.attention_common import joint_attention
 
     g = torch.Generator().manual_seed(3)
@@ -528,17 +527,14 @@ def test_joint_attention_known_answer(text_first, tgaa):
     qt, kt, vt = (torch.randn(b, h, L, d, generator=g) for _ in range(3))
     valid = torch.ones(b, 1, 1, L, dtype=torch.bool)
     valid[0, ..., 4:] = False  # row 0 (uncond) has 4 valid text tokens, row 1 all 6
-    ctrl = AttentionController()
-    ctrl.branches, ctrl.step = (1, 0), 0
     nb = num_blocks(n, blk)
     bms = {br: (torch.rand(h, nb, nb, generator=g) < 0.4) | torch.eye(nb, dtype=torch.bool) for br in (1, 0)}
     ms = BlockMaskSet.empty(num_heads=h, q_len=n, kv_len=n, block=blk)
     for br, m in bms.items():
         ms.add(0, br, 0, m)
-    ctrl.use_masks(ms)
     amp = [1, 2]
-    if tgaa:
-        ctrl.amplify = Amplification(amp, 3.0)
+    plan = AttentionPlan(masks=ms, amplify=Amplification(tuple(amp), 3.0) if tgaa else None)
+    ctrl = StepAttention(plan, AttentionSession(), 0, branches=(1, 0))
     out_v, out_t = joint_attention(ctrl, 0, (qv, kv, vv), (qt, kt, vt), text_first=text_first, text_valid=valid)
 
     def joint(v_part, t_part):

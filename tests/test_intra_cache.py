@@ -162,7 +162,7 @@ def test_a_resume_resets_the_state(embedded, tmp_path):
         denoise.run_steps(ad, st, cond, req, stop=3)
         assert n["blocks.1.ffn"] == 1
         st.latents, st.next_step = torch.randn_like(st.latents), 1
-        ad.seek(1)
+        ad.seek(st.scheduler, 1)
         denoise.run_steps(ad, st, cond, req)
     assert n["blocks.1.ffn"] == 2
     ad.intra_cache.end()
@@ -183,11 +183,11 @@ def test_engines_sharing_an_adapter_each_get_their_own_cache(tiny, tmp_path):
 
 def test_intra_cache_is_part_of_the_cache_keys(embedded, tmp_path):
     plain = Carnator(embedded.pipe, tmp_path / "one", adapter=embedded.adapter, embedder=hashed_embedder(64))
-    fbc = Carnator(embedded.pipe, plain.bank, adapter=embedded.adapter, embedder=hashed_embedder(64), config=EngineConfig(intra_cache="first_block"))
-    gen(plain, steps=2, store=True)
-    r = gen(fbc, steps=2, store=True)
+    fbc = Carnator(embedded.pipe, plain.store, adapter=embedded.adapter, embedder=hashed_embedder(64), config=EngineConfig(intra_cache="first_block"))
+    gen(plain, steps=2, store=True, cache="exact")
+    r = gen(fbc, steps=2, store=True, cache="exact")
     assert not r.stats.exact_hit  # a dense video is never returned as the first_block run's (or vice versa)
-    assert gen(fbc, steps=2).stats.exact_hit
+    assert gen(fbc, steps=2, cache="exact").stats.exact_hit
 
 
 # ---- the other kinds ----------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def test_composed_with_carnator_a_hit_still_happens(intra, embedded, tmp_path):
     # Reset at the request's start, before the probe's recording forward (step 3), and at the resume.
     assert s.notes["intra_cache"]["kind"] == intra and s.notes["intra_cache"]["resets"] == 3
     # Outside the Active region the blend keeps the source's latent exactly, intra cache or not.
-    same = (eng.bank.load(s.entry_id)["final"] == eng.bank.load(a.stats.entry_id)["final"]).all(dim=1)[0]
+    same = (eng.store.load(s.entry_id)["traj.7"] == eng.store.load(a.stats.entry_id)["traj.7"]).all(dim=1)[0]
     assert same.float().mean() >= 1 - s.active_fraction - 1e-6 and not same.all()
 
 

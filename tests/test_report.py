@@ -49,14 +49,14 @@ class FakeEngine:
         cache_dir.mkdir(parents=True, exist_ok=True)
         self.dir = cache_dir
         self.stored.setdefault(cache_dir, set())
-        self.bank = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2),
+        self.store = SimpleNamespace(stats=lambda: SimpleNamespace(bytes=3_000_000, count=2),
                                     get=lambda eid: SimpleNamespace(prompt=f"source of {eid}"))
 
     def is_cached(self, prompt, *, seed, num_inference_steps=None):
         return (prompt, seed) in self.stored[self.dir]
 
-    def generate(self, prompt, *, seed, policy, num_inference_steps=None, store=True, reuse=True):
-        self.calls.append((policy, prompt, seed, reuse))
+    def generate(self, prompt, *, seed, policy, num_inference_steps=None, store=True, cache=None):
+        self.calls.append((policy, prompt, seed, cache != "off"))
         if store:
             self.stored[self.dir].add((prompt, seed))
         i = TEST_PROMPTS.index(prompt) if prompt in TEST_PROMPTS else None
@@ -86,7 +86,7 @@ def bench(tmp_path, monkeypatch):
 
 
 def test_warm_fill_is_misses_and_resumes_after_an_interruption(tmp_path, monkeypatch):
-    """Warm requests run with reuse=False (misses that store), the test stream with reuse; a fill cut short resumes
+    """Warm requests run with cache="off" (misses that store), the test stream with reuse; a fill cut short resumes
     without generating again what it stored; shards fill disjoint parts; dense has no warm cache."""
     monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge", fake_judge)
     warm = [TraceRequest(f"warm {k}", k, "warm") for k in range(5)]

@@ -146,8 +146,13 @@ def test_first_compatible_in_recall_order():
     same = EarlySignature({"ball": _ns("ball", m, red)})
     cands = [(far, noun_diff(["ball"], ["cube"])), (near, noun_diff(["ball"], ["cube"])), (same, noun_diff(["ball"], ["ball"]))]
     hit = first_compatible(q, cands, Thresholds())
-    assert hit is not None and hit[0] == 1 and hit[1].color == 0.0
-    assert first_compatible(q, cands[:1], Thresholds()) is None
+    assert hit.index == 1 and hit.tested[1].color == 0.0 and len(hit.tested) == 2  # tested up to the winner
+    miss = first_compatible(q, cands[:1], Thresholds())
+    assert miss.index is None and len(miss.tested) == 1
+    # with a recall similarity the text discrepancy is measured (1 - cosine) and can decide
+    tau = Thresholds(text=0.1)
+    assert first_compatible(q, [(near, cands[1][1], 0.95)], tau).index == 0
+    assert first_compatible(q, [(near, cands[1][1], 0.8)], tau).index is None
 
 
 def test_thresholds_save_load(tmp_path):
@@ -437,7 +442,7 @@ def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
             f.write(json.dumps({"i": i, "kind": make_pairs(len(scores))[i][0], "hit": True, "acceptable": True,
                                 "d": {"context": 1.0 + i, "size": 0.1 * i, "shape": 0.05 * i, "color": 2.0 * i, "text": 0.01 * i},
                                 "dense": {"fidelity": df, "artifact": da}, "reuse": {"fidelity": rf, "artifact": ra}}) + "\n")
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={},
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None,
                              policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     got = run_calibration(engine, tmp_path, len(scores), progress=lambda *_: None, pairs_from="edits")
     assert got["acceptable"] == 1
@@ -457,7 +462,7 @@ def test_select_only_calibration_uses_every_stored_pair_and_generates_none(tmp_p
     from carnator.errors import CarnatorError
     from carnator.policies.carnator import CarnatorConfig
 
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     with pytest.raises(CarnatorError, match="holds no pairs to select from"):
         run_calibration(engine, tmp_path, 4, progress=lambda *_: None, generate=False)
     # indices 0, 2, 5, 9: 3 acceptable (fidelity kept), 1 not (lost 0.4)
@@ -475,7 +480,7 @@ def test_select_only_calibration_uses_every_stored_pair_and_generates_none(tmp_p
     again = run_calibration(engine, tmp_path, 2, progress=lambda *_: None, pairs_from="stream", warm=7, generate=False)
     assert again["pairs_from"] == "edits" and "warm" not in again and again["result"] == res
     # ... but pairs read under another reading are refused
-    other = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig(modifiers=0)))
+    other = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig(modifiers=0)))
     with pytest.raises(CarnatorError, match="signatures were read as"):
         run_calibration(other, tmp_path, 2, progress=lambda *_: None, generate=False)
 
@@ -501,8 +506,8 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge",
                         lambda frames, text: SimpleNamespace(fidelity=1.0, artifact=0.0))
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, generate=generate,
-                             bank=SimpleNamespace(clear=lambda tenant: None),
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, generate=generate,
+                             store=SimpleNamespace(clear=lambda tenant: None),
                              policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     assert run_calibration(engine, tmp_path, len(pairs), shard=(1, 2), progress=lambda *_: None, pairs_from="edits") is None
     assert sorted({i for i, _ in calls}) == [1, 3] and not (tmp_path / "thresholds.json").exists()
@@ -526,7 +531,7 @@ def test_calibration_without_reusable_pairs_is_a_clear_error(tmp_path):
         for i, p in enumerate(make_pairs(4)):
             f.write(json.dumps({"i": i, "kind": p[0], "hit": False, "d": None, "dense": {"fidelity": 1.0, "artifact": 0.0},
                                 "reuse": {"fidelity": 1.0, "artifact": 0.0}}) + "\n")
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     with pytest.raises(CarnatorError, match="only 0 of 4 pairs could reuse"):
         run_calibration(engine, tmp_path, 4, progress=lambda *_: None, pairs_from="edits")
 
@@ -589,7 +594,7 @@ def test_calibration_refuses_to_mix_pair_sources(tmp_path):
     from carnator.errors import CarnatorError
     from carnator.policies.carnator import CarnatorConfig
 
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     (tmp_path / "pairs.meta.json").write_text(json.dumps({"pairs_from": "edits"}))
     with pytest.raises(CarnatorError, match="holds pairs drawn as"):
         run_calibration(engine, tmp_path, 4, progress=lambda *_: None, pairs_from="stream")

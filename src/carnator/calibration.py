@@ -174,10 +174,13 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
     base = engine.policy("carnator").cfg
     at = {"resume_step": resume_step} if resume_step else {}
     forced = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), **at}))
-    engine._policies["carnator-forced"] = forced
+    forced.name = "carnator-forced"
+    engine.use_policy(forced)
     # The source runs carnator with the same resume step, so that its entry keeps the latents the reuse reads
     # (EngineConfig.capture_steps="auto"); it is alone in its tenant, so always a miss.
-    engine._policies["carnator-source"] = CarnatorPolicy(CarnatorConfig(**{**vars(base), **at}))
+    source_pol = CarnatorPolicy(CarnatorConfig(**{**vars(base), **at}))
+    source_pol.name = "carnator-source"
+    engine.use_policy(source_pol)
     if pairs_from not in ("stream", "edits"):
         raise CarnatorError(f"pairs_from must be 'stream' or 'edits', not {pairs_from!r}")
     reading = CarnatorPolicy(base).reading()
@@ -225,14 +228,14 @@ def run_calibration(engine, out_dir: Path, n_pairs: int, *, steps: int | None = 
                    "resume_step": reuse.stats.resume_step, "active_fraction": reuse.stats.active_fraction,
                    "mask_density": reuse.stats.mask_density}
             # Both Early Signatures, so that other discrepancy definitions can be evaluated on these rows offline.
-            src_meta = engine.bank.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
+            src_meta = engine.store.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
             row["signatures"] = {"query": reuse.stats.notes.get("signature"),
                                  "source": None if src_meta is None else src_meta.extra.get("signature")}
             row["acceptable"] = rule.label(row)
             log.write(json.dumps(row) + "\n")
             log.flush()
             done[i] = row
-            engine.bank.clear(tenant=tenant)
+            engine.store.clear(tenant=tenant)
             progress(f"{i + 1}/{n_pairs} {kind:7s} hit={row['hit']} acceptable={row['acceptable']} fid {jd.fidelity:.2f}->{jr.fidelity:.2f}")
     if shard is not None:
         return None

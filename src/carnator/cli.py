@@ -259,7 +259,7 @@ def cmd_generate(args) -> int:
         res = eng.generate(
             args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
             num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
-            guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, progress=progress,
+            guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, cache=args.cache, progress=progress,
         )
     finally:
         if bar is not None:
@@ -311,7 +311,7 @@ def cmd_demo(args) -> int:
         args.cache_dir = str(out / "cache")
     eng = _engine(args)
     if fresh:
-        eng.bank.clear()
+        eng.store.clear()
     rows = run_demo(eng, out, policy=args.policy, steps=args.steps)
     hits = sum(r["hit"] for r in rows)
     print(f"{hits} of {len(rows)} requests reused cached work; the page: {out / 'index.html'}")
@@ -652,6 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="out.mp4", help="output video, .mp4 (H.264) or .gif (default: ./%(default)s)")
     g.add_argument("--fps", type=_int_in(1, 240), default=8, help="frames per second of the output, 1-240 (.gif: 1-50) (default: %(default)s)")
     g.add_argument("--no-store", action="store_true", help="do not add the result to the cache")
+    g.add_argument("--cache", choices=("reuse", "exact", "off"), default=None,
+                   help="what the request may take from the cache: reuse (exact hits and approximate reuse), exact (exact "
+                        "hits only) or off (generate; still stored unless --no-store). Default: the policy's (dense: off)")
     g.add_argument("--json", action="store_true", help="print every detail as one JSON object instead of the summary line")
     g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="print every detail (timings, discrepancies, notes) under the summary line; carnator's debug logging")

@@ -53,7 +53,7 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    bank = engine.bank
+    bank = engine.store
     held = len(bank.entries())
     cache = {"dir": str(bank.root), "entries_at_start": held, "replaying": held > 0}
     if held:
@@ -65,14 +65,14 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
              "speedups compare the two under the same load")
     # One-time costs (model kernels, the recall embedder) are paid before anything is timed; seed 0 is outside the stream.
     first = stream[0][0]
-    engine.generate(first, seed=0, policy="dense", num_inference_steps=2, store=False, reuse=False)
+    engine.generate(first, seed=0, policy="dense", num_inference_steps=2, store=False, cache="off")
     engine.embedder(first)
 
     rows: list[dict] = []
     made_by: dict[str, int] = {}  # cache entry id -> the request of this run that stored it
     for i, (prompt, seed) in enumerate(stream):
         res = engine.generate(prompt, seed=seed, policy=policy, num_inference_steps=steps)
-        ref = engine.generate(prompt, seed=seed, policy="dense", num_inference_steps=steps, store=False, reuse=False)
+        ref = engine.generate(prompt, seed=seed, policy="dense", num_inference_steps=steps, store=False, cache="off")
         s, why = res.stats, describe(engine, res)
         gif, dense_gif = f"{i:02d}.gif", f"{i:02d}-dense.gif"
         write_video(res.frames, out / gif)

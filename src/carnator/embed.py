@@ -24,6 +24,11 @@ class TextEmbedder:
         self.dim = dim
         self.name = name
 
+    @property
+    def identity(self) -> str:
+        """What recall embeddings made by this embedder are keyed by (its name and size)."""
+        return f"{self.name}:{self.dim}"
+
     def __call__(self, texts: list[str] | str) -> np.ndarray:
         single = isinstance(texts, str)
         v = np.asarray(self._encode([texts] if single else list(texts)), dtype=np.float32)
@@ -58,6 +63,10 @@ class TextEmbedder:
 
             return cls(enc, model.config.projection_dim, p.name)
         raise ModelLoadError(f"{p} is neither a sentence-transformers nor a CLIP model directory")
+
+
+#: :attr:`TextEmbedder.identity` of :func:`default_embedder` (known without loading it)
+DEFAULT_EMBEDDER_IDENTITY = "all-MiniLM-L6-v2:384"
 
 
 @lru_cache(maxsize=1)

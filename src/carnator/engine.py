@@ -1,30 +1,47 @@
-"""The request lifecycle: resolve -> exact tier -> policy plan -> denoise -> decode -> store."""
+"""The engine: it runs every stage of one request, top to bottom, and holds no request state between them.
+
+``Carnator.generate``::
+
+    resolve -> exact tier (store.lookup_exact) -> encode -> recall -> probe -> signature
+            -> policy.decide -> policy.plan -> bind the plan to the source's tensors -> denoise -> decode
+            -> store.admit
+
+Policies only decide and plan over plain data (:mod:`carnator.plan`); the loop in :mod:`carnator.denoise` only
+executes plans; the store (:class:`~carnator.cache.CacheStore`) only stores. Everything a request changes (its
+scheduler, attention plan and record) belongs to the request, so one engine serves requests from several threads at
+once; with an intra-request cache (diffusers hooks, state on the transformer) its requests take turns.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import denoise
-from .backbones.base import BackboneAdapter, Conditioning, adapter_for
-from .cache.protocol import VIDEO, StoreSpec
-from .errors import CacheError, InvalidRequestError, ModelLoadError
-from .policies import Plan, Policy, get_policy_class, policy_names
+from .backbones.base import BackboneAdapter, adapter_for
+from .cache.protocol import VIDEO, CacheStore, StoreSpec
+from .errors import CacheError, GenerationError, InvalidRequestError, ModelLoadError
+from .plan import Decision, DecisionInputs, ReusePlan
+from .policies import ModelInfo, Policy, get_policy_class, policy_names
 from .request import Request, Result, Stats, to_uint8
-
-if TYPE_CHECKING:
-    from .cache import CacheBank
+from .stages import probe, read_signature, recall
 
 log = logging.getLogger("carnator")
+
+CACHE_MODES = ("reuse", "exact", "off")
 
 
 @dataclass
@@ -38,12 +55,14 @@ class EngineConfig:
     store_video: keep the decoded video with the entry, so an identical request is an exact hit.
     capacity_bytes, eviction: when set, stored as the cache's own capacity (bytes) and eviction policy ("lru",
         "lcbfu") with ``CacheBank.configure`` when the engine opens it; None (default) keeps what the cache has.
+    policy_options: per policy name, its config fields (``{"carnator": {"modifiers": 1}}``).
     intra_cache: one of diffusers' per-request caches applied to the transformer under every policy
         (None = off): a kind name, "KIND:opt=value,...", or {"kind": KIND, opt: value}; kinds first_block,
-        pab, faster, taylorseer, mag (see :mod:`carnator.intra_cache` and docs/METHOD.md).
+        pab, faster, taylorseer, mag (see :mod:`carnator.intra_cache` and docs/METHOD.md). Its hooks keep state on
+        the transformer, so an engine with one runs its requests one at a time.
     cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
         applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
-        launch-bound models; the results are the eager forward's (checked on the H200, docs/RESULTS.md).
+        launch-bound models; the results are the eager forward's.
     """
 
     capture_steps: str | list[int] = "auto"
@@ -66,45 +85,23 @@ class EngineConfig:
             raise ValueError(f'EngineConfig.latent_dtype must be "float32", "float16" or "bfloat16", got {self.latent_dtype!r}')
 
 
-@dataclass
-class RequestContext:
-    """Everything a policy may look at or ask for while planning one request."""
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything that builds an engine, as plain data: the CLI, bench workers, the service and its replicas build
+    identical engines from one spec (:meth:`Carnator.from_spec`). ``model``: "embedded" or a local diffusers
+    directory; ``cache_dir``: the cache directory (None: the default); ``config``: :class:`EngineConfig` fields."""
 
-    engine: "Carnator"
-    request: Request
-    cond: Conditioning
-    state: denoise.DenoiseState
-    compat_key: str
-    timings: dict[str, float]
-    #: the steps whose post-scheduler latents this request keeps (for its cache entry)
-    capture: set[int] = field(default_factory=set)
-    #: False: plan a miss whatever the cache holds (``generate(..., reuse=False)``, e.g. to fill a cache)
-    reuse: bool = True
-    _embedding: np.ndarray | None = None
+    model: str = "embedded"
+    device: str | None = None
+    cache_dir: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def adapter(self) -> BackboneAdapter:
-        return self.engine.adapter
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-    @property
-    def bank(self):
-        return self.engine.bank
-
-    def embedding(self) -> np.ndarray:
-        if self._embedding is None:
-            self._embedding = self.engine.embedder(self.request.prompt)  # the bank checks its size against the scope's
-        return self._embedding
-
-    def recall(self, k: int) -> list:
-        """The ``k`` cached entries nearest this request by recall embedding, within its tenant and compatibility
-        key, nearest first; none when this request must not reuse."""
-        if not self.reuse:
-            return []
-        return self.bank.recall(self.request.tenant, self.compat_key, self.embedding(), k=k)
-
-    def run_steps(self, stop: int, hooks: denoise.StepHooks | None = None) -> denoise.DenoiseState:
-        """Advance this request's own trajectory (a probe): its steps count toward its latency."""
-        return denoise.run_steps(self.adapter, self.state, self.cond, self.request, stop, capture=self.capture, hooks=hooks)
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineSpec:
+        return cls(**d)
 
 
 class Carnator:
@@ -115,37 +112,50 @@ class Carnator:
     >>> res.frames.shape, res.stats.hit
     """
 
-    def __init__(self, pipe, cache_dir: str | os.PathLike | CacheBank | None = None, *, config: EngineConfig | None = None, embedder=None, adapter: BackboneAdapter | None = None):
-        """``cache_dir``: the cache directory (default: ``$CARNATOR_CACHE_DIR`` or ``~/.cache/carnator``)
-        or an open :class:`~carnator.cache.CacheBank`."""
+    def __init__(self, pipe, cache_dir: str | os.PathLike | CacheStore | None = None, *, config: EngineConfig | None = None,
+                 embedder=None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None):
+        """``cache_dir``: the cache directory (default: ``$CARNATOR_CACHE_DIR`` or ``~/.cache/carnator``) or an open
+        :class:`~carnator.cache.CacheStore`. ``embedder``: the recall embedder (default MiniLM). ``nouns``: the noun
+        extractor (default: the adapter's, :meth:`~carnator.backbones.base.BackboneAdapter.noun_extractor`)."""
         self.pipe = pipe
         self.adapter = adapter if adapter is not None else adapter_for(pipe)
         self.config = config or EngineConfig()
-        self.bank = _open_bank(cache_dir, self.config)
+        self.store: CacheStore = _open_store(cache_dir, self.config)
         self._embedder = embedder
-        self._policies: dict[str, Any] = {}
+        self.nouns = nouns or self.adapter.noun_extractor()
+        self._policies: dict[str, Policy] = {}
+        self._lock = threading.Lock()
+        self._text_lock = threading.Lock()  # fast tokenizers refuse concurrent calls with other settings ("Already borrowed")
+        self._warned: set[str] = set()
+        self._loader: ThreadPoolExecutor | None = None
         self.model_identity = self.adapter.model_identity()
         from .intra_cache import IntraCacheSpec
 
         self.intra_cache_spec = IntraCacheSpec.parse(self.config.intra_cache)
         self.adapter.use_intra_cache(self.intra_cache_spec)  # an unsupported kind fails here, before any request
         self.adapter.use_cuda_graphs(self.config.cuda_graphs)
+        # diffusers' intra-request caches keep their state in hooks on the transformer: their requests take turns
+        self._serial = threading.Lock() if self.intra_cache_spec is not None else None
+        for name, opts in self.config.policy_options.items():  # a bad option or thresholds file fails here, not later
+            if get_policy_class(name) is not None:
+                self.policy(name)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None, torch_dtype: torch.dtype | None = None, **kwargs) -> "Carnator":
+    def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None,
+                        torch_dtype: torch.dtype | None = None, **kwargs) -> Carnator:
         """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         _check_device(device)
         class_name = None if model == "embedded" else _pipeline_class(model)
         # Open the cache before loading the model, so that a bad cache directory fails fast.
-        bank = _open_bank(cache_dir, kwargs.get("config") or EngineConfig())
+        store = _open_store(cache_dir, kwargs.get("config") or EngineConfig())
         if class_name is None:
             from .backbones.embedded import EmbeddedAdapter
             from .embedded import load_pipeline
 
             pipe = load_pipeline(device=device)
-            return cls(pipe, bank, adapter=EmbeddedAdapter(pipe), **kwargs)
+            return cls(pipe, store, adapter=EmbeddedAdapter(pipe), **kwargs)
         import diffusers
 
         try:
@@ -154,7 +164,12 @@ class Carnator:
             raise ModelLoadError(f"could not load {class_name} from {model}: {_first_line(e)}") from e
         pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, bank, **kwargs)
+        return cls(pipe, store, **kwargs)
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **kwargs) -> Carnator:
+        """The engine ``spec`` describes (``kwargs``: an ``embedder`` or ``nouns`` that are not data)."""
+        return cls.from_pretrained(spec.model, spec.cache_dir, device=spec.device, config=EngineConfig(**spec.config), **kwargs)
 
     @property
     def embedder(self):
@@ -164,21 +179,42 @@ class Carnator:
             self._embedder = default_embedder()
         return self._embedder
 
-    def policy(self, name: str):
-        if name not in self._policies:
-            klass = get_policy_class(name)
-            if klass is None:
-                raise InvalidRequestError(f"unknown policy {name!r}; available: {', '.join(policy_names())}")
-            self._policies[name] = klass(**self.config.policy_options.get(name, {}))
-        return self._policies[name]
+    @property
+    def embedder_identity(self) -> str:
+        """What recall embeddings are keyed by (entries of another embedder are never recalled)."""
+        if self._embedder is None:
+            from .embed import DEFAULT_EMBEDDER_IDENTITY
 
-    def use_policy(self, policy) -> None:
+            return DEFAULT_EMBEDDER_IDENTITY
+        e = self._embedder
+        return getattr(e, "identity", None) or f"{getattr(e, 'name', type(e).__name__)}:{getattr(e, 'dim', '?')}"
+
+    def _embed(self, prompt: str) -> np.ndarray:
+        with self._text_lock:
+            return self.embedder(prompt)
+
+    def policy(self, name: str) -> Policy:
+        """The policy ``name``, built once per engine with its ``EngineConfig.policy_options`` (thresholds loaded and
+        checked now: a missing or mismatched file fails here)."""
+        with self._lock:
+            if name not in self._policies:
+                klass = get_policy_class(name)
+                if klass is None:
+                    raise InvalidRequestError(f"unknown policy {name!r}; available: {', '.join(policy_names())}")
+                pol = klass(**self.config.policy_options.get(name, {}))
+                pol.prepare(ModelInfo(self.model_identity, self.adapter.family))
+                self._policies[name] = pol
+            return self._policies[name]
+
+    def use_policy(self, policy: Policy) -> None:
         """Make a policy instance available as ``generate(..., policy=policy.name)`` (a custom policy,
         or a registered one with non-default settings); it replaces any earlier one of that name."""
         name = getattr(policy, "name", None)
-        if not isinstance(name, str) or not callable(getattr(policy, "plan", None)):
-            raise InvalidRequestError("use_policy needs a Policy instance (with a name and a plan method)")
-        self._policies[name] = policy
+        if not isinstance(name, str) or not callable(getattr(policy, "decide", None)):
+            raise InvalidRequestError("use_policy needs a Policy instance (with a name and a decide method)")
+        policy.prepare(ModelInfo(self.model_identity, self.adapter.family))
+        with self._lock:
+            self._policies[name] = policy
 
     @property
     def cache_identity(self) -> str:
@@ -187,27 +223,33 @@ class Carnator:
         spec = self.intra_cache_spec
         return self.model_identity if spec is None else f"{self.model_identity}+intra:{spec.label()}"
 
-    def compat_key(self, req: Request) -> str:
+    def compat_key(self, req: Request, policy: str | Policy = "carnator") -> str:
+        """The key of the entries ``req`` may reuse under ``policy``: model, scheduler, settings, the recall embedder and
+        the policy's signature reading (entries read another way are never compared)."""
         from .cache import compat_key
 
-        return compat_key(self.cache_identity, self.adapter.scheduler_name(), req.settings())
+        pol = self.policy(policy) if isinstance(policy, str) else policy
+        spec = pol.probe_spec()
+        extra = {"embedder": self.embedder_identity, "reading": None if spec is None else spec.reading()}
+        return compat_key(self.cache_identity, self.adapter.scheduler_name(), req.settings(), extra=extra)
 
-    def _capture(self, state: denoise.DenoiseState, pol: Policy, store: bool) -> set[int]:
+    def _capture(self, num_steps: int, pol: Policy, store: bool) -> set[int]:
         if not store:
             return set()
         if self.config.capture_steps == "auto":
-            return pol.stored_steps(state.num_steps)
-        return denoise.capture_set(self.config.capture_steps, state.num_steps)
+            return pol.stored_steps(num_steps)
+        return denoise.capture_set(self.config.capture_steps, num_steps)
 
     # ---- generation --------------------------------------------------------------------------
-    def is_cached(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> bool:
-        """Whether the bank holds this exact request (same prompt, seed and settings: ``request`` takes
-        :meth:`generate`'s ``negative_prompt``, ``num_inference_steps``, ...), i.e. whether it would be an exact hit."""
-        return self._exact_entry(self.adapter.resolve(prompt, seed=seed, tenant=tenant, **request)) is not None
+    def resolve(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> Request:
+        """The request ``generate`` would run (every setting filled in and checked)."""
+        return self.adapter.resolve(prompt, seed=seed, tenant=tenant, **request)
 
-    def _exact_entry(self, req: Request):
-        """The bank's entry for exactly this request, or None."""
-        return self.bank.lookup_exact(req.tenant, req.exact_key(self.cache_identity))
+    def is_cached(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> bool:
+        """Whether the store holds this exact request (same prompt, seed and settings: ``request`` takes
+        :meth:`generate`'s ``negative_prompt``, ``num_inference_steps``, ...), i.e. whether it would be an exact hit."""
+        req = self.resolve(prompt, seed=seed, tenant=tenant, **request)
+        return self.store.lookup_exact(req.tenant, req.exact_key(self.cache_identity)) is not None
 
     def generate(
         self,
@@ -223,114 +265,266 @@ class Carnator:
         guidance_scale: float | None = None,
         tenant: str = "default",
         store: bool = True,
-        reuse: bool = True,
+        cache: str | None = None,
+        decision: Decision | None = None,
         progress: Callable[[int, int], None] | None = None,
+        cancel: Callable[[], bool] | None = None,
+        events: Callable[[str, dict], None] | None = None,
     ) -> Result:
         """Generate one video; reuse cached work where ``policy`` finds it safe.
 
-        ``reuse=False`` generates it as a miss (no exact or approximate reuse) that still records and, with
-        ``store``, stores what ``policy`` keeps for later requests: how a cache is filled with completed requests.
+        ``cache``: "reuse" (exact hits and approximate reuse), "exact" (exact hits only) or "off" (neither: the request
+        runs as a miss, e.g. to fill a cache); default: the policy's (``dense``: "off"). ``store``: keep the result for
+        later requests. ``decision``: a decision to execute instead of the policy's (a replay). ``progress(done,
+        total)`` after every denoising step; ``cancel()`` before every step (True stops the request with
+        :class:`~carnator.errors.Cancelled`, storing nothing); ``events(kind, data)`` at each stage ("decision").
         Returns a :class:`Result` with ``frames`` (uint8, T x H x W x 3) and ``stats``.
         """
         t_start = time.perf_counter()
         pol = self.policy(policy)
-        req = self.adapter.resolve(
-            prompt, seed=seed, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
-            num_frames=num_frames, height=height, width=width, guidance_scale=guidance_scale, tenant=tenant,
-        )
+        mode = pol.default_cache if cache is None else cache
+        if mode not in CACHE_MODES:
+            raise InvalidRequestError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
+        req = self.resolve(prompt, seed=seed, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
+                           num_frames=num_frames, height=height, width=width, guidance_scale=guidance_scale, tenant=tenant)
         stats = Stats(policy=policy)
-        timings = stats.timings
-
-        # Exact tier: an identical request returns the stored video without denoising.
         exact_key = req.exact_key(self.cache_identity)
-        t0 = time.perf_counter()
-        hit = self._exact_entry(req) if reuse else None
-        if hit is not None and hit.extra.get("approximate") and not pol.accepts_approximate_exact:
-            hit = None
-        if hit is not None:
-            tensors = self.bank.load(hit.id, [VIDEO])
-            if tensors is not None:
-                self.bank.touch(hit.id)
-                stats.hit = stats.exact_hit = True
-                stats.source_id = hit.id
-                stats.resume_step = req.num_inference_steps
-                timings["exact_lookup"] = time.perf_counter() - t0
-                timings["total"] = time.perf_counter() - t_start
-                frames = tensors[VIDEO].numpy()
-                return Result(frames=frames, stats=stats, request=req)
-        timings["exact_lookup"] = time.perf_counter() - t0
 
-        if self.adapter._controller is not None:
-            self.adapter._controller.reset()  # nothing of the previous request's attention plan leaks
+        if mode != "off":
+            t0 = time.perf_counter()
+            res = self._exact(req, pol, exact_key, stats)
+            stats.timings["exact_lookup"] = time.perf_counter() - t0
+            if res is not None:
+                stats.timings["total"] = time.perf_counter() - t_start
+                return res
+        flight = contextlib.nullcontext(False)
+        if mode != "off" and store and self.config.store_video:
+            flight = self.store.single_flight(req.tenant, exact_key)  # the same request elsewhere: wait for its video
+        with flight as waited:
+            if waited:
+                res = self._exact(req, pol, exact_key, stats)
+                if res is not None:
+                    stats.timings["total"] = time.perf_counter() - t_start
+                    return res
+            with self._serial or contextlib.nullcontext():
+                return self._run(req, pol, mode, store, exact_key, stats, t_start, decision, progress, cancel, events)
+
+    def _exact(self, req: Request, pol: Policy, exact_key: str, stats: Stats) -> Result | None:
+        """The exact tier: an identical earlier request's stored video (reading the video only), or None."""
+        meta = self.store.lookup_exact(req.tenant, exact_key)
+        if meta is None or (meta.extra.get("approximate") and not pol.accepts_approximate_exact):
+            return None
+        tensors = self.store.load(meta.id, [VIDEO])
+        if tensors is None:
+            return None
+        self.store.touch(meta.id)
+        stats.hit = stats.exact_hit = True
+        stats.source_id = meta.id
+        stats.resume_step = req.num_inference_steps
+        stats.reason = f"exact repeat of entry {meta.id[:8]}: its stored video"
+        return Result(frames=tensors[VIDEO].numpy(), stats=stats, request=req)
+
+    def _run(self, req: Request, pol: Policy, mode: str, store: bool, exact_key: str, stats: Stats, t_start: float,
+             injected: Decision | None, progress, cancel, events) -> Result:
+        ad, tm = self.adapter, stats.timings
         # (Engines sharing one adapter may differ in their intra-request cache and CUDA graphs: apply this engine's.)
-        intra = self.adapter.use_intra_cache(self.intra_cache_spec)
-        self.adapter.use_cuda_graphs(self.config.cuda_graphs)
+        intra = ad.use_intra_cache(self.intra_cache_spec)
+        ad.use_cuda_graphs(self.config.cuda_graphs)
         if intra is not None:
             intra.start_request()  # diffusers resets hook state at the end of a pipeline call; we drive the loop, so here
         t0 = time.perf_counter()
-        cond = self.adapter.encode(req)
-        state = denoise.start(self.adapter, req)
-        timings["encode"] = time.perf_counter() - t0
-        capture = self._capture(state, pol, store)
-        ctx = RequestContext(self, req, cond, state, self.compat_key(req), timings, capture, reuse=reuse)
+        with self._text_lock:
+            cond = ad.encode(req)
+        state = denoise.start(ad, req)
+        tm["encode"] = time.perf_counter() - t0
+        n = state.num_steps
+        capture = self._capture(n, pol, store)
+        steps_cb = (lambda i: progress(i + 1, n)) if progress else None
 
-        plan: Plan = pol.plan(ctx)  # may run a probe (advancing state) and records its own stage timings
-        if plan.init_latents is not None:
-            state.latents = plan.init_latents.to(state.latents.device, state.latents.dtype)
-            state.next_step = int(plan.resume_step)
-            self.adapter.seek(state.next_step)
-        stats.hit = plan.hit
-        stats.source_id = plan.source_id
-        stats.resume_step = plan.resume_step
-        stats.active_fraction = plan.active_fraction
-        stats.mask_density = plan.mask_density
-        stats.notes.update(plan.notes)
+        # What the policy needs: nouns, word positions, block-mask capture, recall, the probe.
+        spec = pol.probe_spec()
+        fallback = None
+        needs_attention = spec is not None or pol.needs_attention
+        if needs_attention and not ad.supports_attention:
+            fallback = f"{pol.name} needs attention processors, not yet available for {ad.family}"
+            if pol.name not in self._warned:
+                log.warning("%s: generating densely", fallback)
+                self._warned.add(pol.name)
+        elif spec is not None and n <= spec.steps:
+            fallback = f"{n} steps <= the {spec.steps}-step probe"
+        if needs_attention and fallback is None:
+            ad.ensure_attention()
+        nouns = tuple(self.nouns(req.prompt))
+        words = pol.words(req.prompt, nouns) if fallback is None else ()
+        with self._text_lock:
+            word_positions = {w: tuple(ad.word_token_positions(req.prompt, w)) for w in words}
+        sparse = None
+        sc = pol.sparse_config() if fallback is None else None
+        grid = tuple(ad.token_grid(req))
+        if sc is not None:
+            sc = sc.for_tokens(int(np.prod(grid)))
+            sparse = sc if sc.applies(state.latents.device) else None
+
+        inputs = DecisionInputs(request=req, num_steps=n, grid=grid, num_layers=ad.num_layers(), nouns=nouns,
+                                word_positions=word_positions, sparse=sparse, reuse=mode == "reuse")
+        key = self.compat_key(req, pol)
+        embedding: np.ndarray | None = None
+        if mode == "reuse" and fallback is None and pol.recall_k() > 0:
+            t0 = time.perf_counter()
+            embedding = self._embed(req.prompt)
+            inputs = dataclasses.replace(inputs, candidates=recall(self.store, req.tenant, key, embedding, pol.recall_k()))
+            tm["recall"] = time.perf_counter() - t0
+        prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
+
+        if spec is not None and fallback is None:
+            t0 = time.perf_counter()
+            with self._text_lock:
+                positions = {w: tuple(ad.word_token_positions(req.prompt, w, spec.modifiers)) for w in nouns}
+            ev = probe(ad, state, cond, req, spec, positions, capture=capture, sparse=sparse, progress=steps_cb, cancel=cancel)
+            tm["probe"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            sig, regions = read_signature(ad, state, req, ev, spec)
+            tm["signature"] = time.perf_counter() - t0
+            inputs = dataclasses.replace(inputs, signature=sig, regions=regions)
+
+        t0 = time.perf_counter()
+        if fallback is not None:
+            dec = Decision.miss(f"generated densely: {fallback}", details={"fallback": "dense", "reason": fallback})
+        elif injected is not None:
+            dec = injected
+        else:
+            dec = pol.decide(inputs)
+        tm["decision"] = time.perf_counter() - t0
+        if events:
+            events("decision", {"reuse": dec.reuse, "source_id": dec.source_id, "reason": dec.reason})
+
+        t0 = time.perf_counter()
+        plan = pol.plan(dec, inputs)
+        program = self._bind(plan, req, state, prefetched)
+        if program is None:  # the source cannot serve the plan: a miss after all
+            dec = Decision.miss(f"{dec.reason}; but entry {str(plan.source_id)[:8]} cannot serve the reuse (a tensor is "
+                                "missing or damaged)", details=dec.details)
+            plan = pol.plan(dec, inputs)
+            program = self._bind(plan, req, state, None)
+        if plan.hit:
+            tm["plan"] = time.perf_counter() - t0
+        stats.hit, stats.source_id, stats.reason = plan.hit, plan.source_id, dec.reason
+        stats.resume_step = plan.resume_step if plan.hit else None
+        stats.certified = dec.certified if plan.hit else None
+        stats.notes.update(_notes(dec))
 
         dit_before = state.dit_seconds
-        cb = (lambda i: progress(i + 1, state.num_steps)) if progress else None
-        denoise.run_steps(self.adapter, state, cond, req, capture=capture, hooks=plan.hooks, progress=cb)
-        timings["dit"] = state.dit_seconds
-        timings["dit_after_plan"] = state.dit_seconds - dit_before
+        denoise.run_steps(ad, state, cond, req, program=program, capture=capture, progress=steps_cb, cancel=cancel)
+        tm["dit"] = state.dit_seconds
+        tm["dit_after_plan"] = state.dit_seconds - dit_before
         stats.dit_forwards = state.dit_forwards
+        stats.dense_forwards = n * (2 if cond.do_cfg else 1)
+        stats.active_fraction = program.active_fraction
+        stats.mask_density = program.mask_density
+        if program.localized is not None and plan.region is not None and plan.region.recorded is not None:
+            stats.notes["localized"] = bool(program.localized)
         if intra is not None:
             stats.notes["intra_cache"] = intra.summary()
             intra.end()
+        if not bool(torch.isfinite(state.latents).all()):
+            raise GenerationError("the model produced non-finite values (NaN or inf) for this request; nothing was stored "
+                                  "(try a smaller guidance_scale)")
 
         t0 = time.perf_counter()
-        video = self.adapter.decode(state.latents, req)
+        with ad.vae_lock:
+            video = ad.decode(state.latents, req)
         frames = to_uint8(video)
-        timings["decode"] = time.perf_counter() - t0
+        tm["decode"] = time.perf_counter() - t0
 
         if store:
             t0 = time.perf_counter()
-            plan.entry_tensors.update(pol.entry_tensors(ctx))
-            stats.entry_id = self._admit(ctx, plan, state, frames, exact_key, stats)
-            timings["store"] = time.perf_counter() - t0
-        if plan.source_id is not None:
-            self.bank.touch(plan.source_id)
-        timings["total"] = time.perf_counter() - t_start
+            if embedding is None:
+                embedding = self._embed(req.prompt)
+            stats.entry_id = self._admit(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
+            tm["store"] = time.perf_counter() - t0
+        if plan.hit and plan.source_id is not None:
+            self.store.touch(plan.source_id)
+        tm["total"] = time.perf_counter() - t_start
         return Result(frames=frames, stats=stats, request=req, video=video)
 
-    def _admit(self, ctx: RequestContext, plan: Plan, state: denoise.DenoiseState, frames: np.ndarray, exact_key: str, stats: Stats) -> str | None:
-        """Store the request's trajectory and video; a cache that cannot take it costs the entry, not the video."""
-        req = ctx.request
+    def _prefetch(self, what) -> tuple[str, Future] | None:
+        """Read a candidate's tensors in a background thread while the probe runs."""
+        if what is None:
+            return None
+        entry_id, names = what
+        with self._lock:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-prefetch")
+        return entry_id, self._loader.submit(self._load_quietly, entry_id, names)
+
+    def _load_quietly(self, entry_id: str, names):
+        try:
+            return self.store.load(entry_id, names)
+        except KeyError:  # names the entry never had: read what it has
+            return self.store.load(entry_id)
+
+    def _bind(self, plan: ReusePlan, req: Request, state: denoise.DenoiseState, prefetched) -> denoise.Program | None:
+        """``plan`` bound to the source tensors it reads; None when the source cannot serve it."""
+        tensors: dict[str, torch.Tensor] = {}
+        if plan.hit and plan.source_id is not None:
+            got = None
+            if prefetched is not None and prefetched[0] == plan.source_id:
+                got = prefetched[1].result()  # the store's own errors surface here as they would from load()
+            if got is None or not all(k in got for k in plan.source_tensors()):
+                got = self._load_source(plan)
+            if got is None:
+                return None
+            tensors = got
+        program = denoise.Program.bind(plan, self.adapter, req, state, tensors)
+        if program is not None and plan.hit and plan.init_latent is not None:
+            denoise.resume(self.adapter, state, tensors[plan.init_latent], plan.resume_step)
+        return program
+
+    def _load_source(self, plan: ReusePlan) -> dict[str, torch.Tensor] | None:
+        meta = self.store.get(plan.source_id)
+        if meta is None:
+            return None
+        have = set(getattr(meta, "tensor_names", ()) or ())
+        names = [k for k in plan.source_tensors() if k in have]
+        if plan.mask_prefix is not None:
+            names += [k for k in have if k.startswith(plan.mask_prefix)]
+        return self.store.load(plan.source_id, names)
+
+    def _admit(self, req: Request, pol: Policy, inputs: DecisionInputs, plan: ReusePlan, state: denoise.DenoiseState,
+               frames: np.ndarray, key: str, exact_key: str, embedding: np.ndarray, stats: Stats) -> str | None:
+        """Store the request's trajectory, video and the policy's entry; a cache that cannot take it costs the entry,
+        not the video."""
         dtype = getattr(torch, self.config.latent_dtype)
         tensors: dict[str, torch.Tensor] = {f"traj.{i}": z.to(dtype) for i, z in state.trajectory.items()}
-        tensors["final"] = state.latents.detach().to("cpu", dtype)
-        tensors.update(plan.entry_tensors)
+        entry = pol.entry(inputs, plan, state.attention.record)
+        tensors.update(entry.tensors)
         # "approximate": the video came from reuse, not from every step of this request's own trajectory.
-        extra = {"steps": req.num_inference_steps, "approximate": bool(plan.hit), **plan.entry_extra}
+        extra = {"steps": req.num_inference_steps, "approximate": bool(plan.hit), "nouns": list(inputs.nouns), **entry.extra}
         try:
-            return self.bank.admit(StoreSpec(
-                tenant=req.tenant, compat_key=ctx.compat_key, exact_key=exact_key if self.config.store_video else None,
+            return self.store.admit(StoreSpec(
+                tenant=req.tenant, compat_key=key, exact_key=exact_key if self.config.store_video else None,
                 prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed,
-                steps_saved=float(req.num_inference_steps), embedding=ctx.embedding(), tensors=tensors, extra=extra,
+                steps_saved=float(req.num_inference_steps), embedding=embedding, tensors=tensors, extra=extra,
                 video=np.ascontiguousarray(frames) if self.config.store_video else None,
             ))
         except (CacheError, OSError) as e:  # unwritable or full disk, locked database, another embedder's cache
             log.warning("could not store the result in the cache: %s", _first_line(e))
             stats.notes["store_error"] = _first_line(e)
             return None
+
+
+def _notes(dec: Decision) -> dict[str, Any]:
+    """The decision's JSON-able evidence for ``Stats.notes``."""
+    out = {}
+    for k, v in dec.details.items():
+        try:
+            json.dumps(v)
+        except TypeError:
+            continue
+        out[k] = v
+    if dec.similarity is not None:
+        out.setdefault("similarity", float(dec.similarity))
+    return out
 
 
 def _pipeline_class(model: str | os.PathLike) -> str:
@@ -352,17 +546,17 @@ def _pipeline_class(model: str | os.PathLike) -> str:
     return class_name
 
 
-def _open_bank(cache_dir, config: EngineConfig):
+def _open_store(cache_dir, config: EngineConfig) -> CacheStore:
     from .cache import CacheBank, default_cache_dir
 
-    if isinstance(cache_dir, CacheBank):
-        bank = cache_dir
+    if cache_dir is None or isinstance(cache_dir, (str, os.PathLike)):
+        store = CacheBank(Path(cache_dir) if cache_dir is not None else default_cache_dir())
     else:
-        bank = CacheBank(Path(cache_dir) if cache_dir is not None else default_cache_dir())
+        store = cache_dir
     settings = {k: v for k, v in (("capacity_bytes", config.capacity_bytes), ("eviction", config.eviction)) if v is not None}
     if settings:
-        bank.configure(**settings)  # the cache's own settings, for every process that opens it
-    return bank
+        store.configure(**settings)  # the cache's own settings, for every process that opens it
+    return store
 
 
 def _check_device(device: str) -> None:

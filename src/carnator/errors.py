@@ -22,5 +22,13 @@ class CacheError(CarnatorError):
     """The cache directory cannot be used (unwritable, written by an incompatible version, ...)."""
 
 
+class GenerationError(CarnatorError):
+    """The model could not produce a usable video for this request (e.g. non-finite values); nothing is stored."""
+
+
 class CorruptEntryError(Exception):
     """A cache entry failed its checksum; the bank quarantines it and treats it as a miss."""
+
+
+class Cancelled(Exception):
+    """A request stopped at a step boundary because its caller cancelled it; nothing of it is stored."""

@@ -12,15 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def cfg_branches(engine, req) -> int:
-    """DiT forwards per denoising step of ``req`` (2 under classifier-free guidance, else 1), as the adapters decide
-    it in ``encode``: guidance above 1, except HunyuanVideo's true CFG (a negative prompt and ``true_cfg_scale`` > 1)."""
-    ad = engine.adapter
-    if hasattr(ad, "true_cfg_scale"):
-        return 2 if ad.true_cfg_scale > 1 and req.negative_prompt is not None else 1
-    return 2 if req.guidance_scale > 1.0 else 1
-
-
 @dataclass
 class Check:
     """One discrepancy of a hit against its threshold (``threshold`` None: that dimension is off)."""
@@ -78,22 +69,25 @@ def _json_num(v: float | None) -> float | str | None:
 
 
 def describe(engine, res) -> Outcome:
-    """The :class:`Outcome` of ``res`` (a :class:`~carnator.request.Result` of ``engine``)."""
+    """The :class:`Outcome` of ``res`` (a :class:`~carnator.request.Result` of ``engine``), from its stats: the
+    decision's reason, and the evidence the policy recorded in the notes (the tested candidates' discrepancies)."""
     s, req = res.stats, res.request
     n = req.num_inference_steps
-    computed = min(n, s.dit_forwards // cfg_branches(engine, req))
+    per_step = max(1, s.dense_forwards // n) if s.dense_forwards else 1
+    computed = min(n, s.dit_forwards // per_step)
     out = Outcome(decision="exact hit" if s.exact_hit else ("hit" if s.hit else "miss"), reason="", steps=n,
                   steps_computed=computed, dit_forwards=s.dit_forwards, source_id=s.source_id)
     if s.source_id is not None:
-        meta = engine.bank.get(s.source_id)
+        meta = engine.store.get(s.source_id)
         if meta is not None:
             out.source_prompt, out.source_seed = meta.prompt, meta.seed
     notes = s.notes or {}
     src = _source_text(out)
+    tau = _thresholds(engine, s.policy)
     if s.exact_hit:
         out.reason = f"the same request as {src}: its stored video"
     elif s.hit:
-        out.checks, out.risk = _checks(engine, s.policy, notes)
+        out.checks, out.risk = _checks(tau, notes.get("discrepancies"))
         out.headline = f"compatible with {src}; resumed at step {s.resume_step} of {n}"
         if out.risk is not None:
             passed = f"risk {out.risk[0]:.3f} <= {out.risk[1]:.3f}"
@@ -113,23 +107,25 @@ def describe(engine, res) -> Outcome:
         out.reason = "generated densely: " + str(notes.get("reason") or f"the {s.policy} policy cannot run on this model")
     elif "candidates" in notes:
         k = int(notes["candidates"])
+        tested = notes.get("tested") or []
         if k == 0:
             out.reason = "nothing cached with the same nouns (or one noun substituted) and settings"
+        elif not tested:
+            out.reason = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; {s.reason}"
         else:
-            tau = _thresholds(engine, s.policy)
-            rule = f" (risk threshold {tau.risk.threshold:.3f})" if tau is not None and tau.risk is not None else ""
-            out.reason = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; none passed the compatibility test{rule}"
-            failed = _first_tested(engine, res, k)
-            if failed is not None:
-                meta, out.checks, out.risk = failed
-                out.tested_id, out.source_prompt, out.source_seed = meta.id, meta.prompt, meta.seed
-                what = _source_text(Outcome("", "", 0, 0, 0, source_id=meta.id, source_prompt=meta.prompt, source_seed=meta.seed))
-                verdict = (f"risk {out.risk[0]:.3f} {'<=' if out.risk[0] <= out.risk[1] else '>'} {out.risk[1]:.3f} ("
-                           if out.risk is not None else "(")
-                out.headline = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; the first, {what}, failed the compatibility test"
-                out.reason = f"{out.headline}: {verdict}{', '.join(c.text() for c in out.checks)})"
-    elif "similarity" in notes:
-        out.reason = f"the nearest cached request (similarity {float(notes['similarity']):.3f}) was not reused"
+            first = tested[0]
+            meta = engine.store.get(first["id"])
+            out.tested_id = first["id"]
+            if meta is not None:
+                out.source_prompt, out.source_seed = meta.prompt, meta.seed
+            out.checks, out.risk = _checks(tau, first.get("discrepancies"))
+            what = _source_text(Outcome("", "", 0, 0, 0, source_id=first["id"], source_prompt=out.source_prompt, source_seed=out.source_seed))
+            verdict = (f"risk {out.risk[0]:.3f} {'<=' if out.risk[0] <= out.risk[1] else '>'} {out.risk[1]:.3f} ("
+                       if out.risk is not None else "(")
+            out.headline = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; the first, {what}, failed the compatibility test"
+            out.reason = f"{out.headline}: {verdict}{', '.join(c.text() for c in out.checks)})"
+    elif s.reason:
+        out.reason = s.reason
     else:
         out.reason = "nothing cached was reused"
     return out
@@ -145,14 +141,12 @@ def _source_text(out: Outcome) -> str:
 
 
 def _thresholds(engine, policy: str):
-    pol = engine.policy(policy)
-    return pol.thresholds(engine) if hasattr(pol, "thresholds") else None
+    return getattr(engine.policy(policy), "tau", None)
 
 
-def _checks(engine, policy: str, notes: dict) -> tuple[list[Check], tuple[float, float] | None]:
-    """Each applicable discrepancy of a hit with its threshold, and the risk score when the thresholds have one."""
-    d = notes.get("discrepancies")
-    tau = _thresholds(engine, policy)
+def _checks(tau, d) -> tuple[list[Check], tuple[float, float] | None]:
+    """Each applicable discrepancy (a ``Discrepancies.to_dict``) with its threshold, and the risk score when the
+    thresholds have one."""
     if not d or tau is None:
         return [], None
     checks = []
@@ -167,36 +161,3 @@ def _checks(engine, policy: str, notes: dict) -> tuple[list[Check], tuple[float,
 
         risk = (float(tau.risk.risk(Discrepancies.from_dict(d))), float(tau.risk.threshold))
     return checks, risk
-
-
-def _first_tested(engine, res, count: int):
-    """For a miss of the carnator policy: the first candidate its compatibility test tried (recall order, through the
-    noun filter), with its discrepancies against the thresholds; None where that cannot be re-derived.
-
-    The policy keeps only the count of candidates in its notes, so the candidates are recalled again from the cache
-    (the request's own new entry left out) and their discrepancies recomputed with the policy's own functions and
-    config; the result is used only when the count of candidates found equals the policy's."""
-    from .reuse import discrepancies, noun_diff
-    from .signature import EarlySignature
-    from .signature.nouns import extract_nouns
-
-    s, req = res.stats, res.request
-    pol = engine.policy(s.policy)
-    cfg = getattr(pol, "cfg", None)
-    sig = (s.notes or {}).get("signature")
-    if cfg is None or not hasattr(cfg, "compat") or not isinstance(sig, dict):
-        return None
-    recalled = engine.bank.recall(req.tenant, engine.compat_key(req), engine.embedder(req.prompt), k=cfg.top_k + 1)
-    recalled = [(m, sc) for m, sc in recalled if m.id != s.entry_id][: cfg.top_k]
-    nouns = extract_nouns(req.prompt)
-    candidates = []
-    for meta, score in recalled:
-        diff = noun_diff(nouns, meta.extra.get("nouns", []))
-        if diff is not None and "signature" in meta.extra:
-            candidates.append((meta, score, diff))
-    if len(candidates) != count:
-        return None
-    meta, score, diff = candidates[0]
-    d = discrepancies(EarlySignature.from_dict(sig), EarlySignature.from_dict(meta.extra["signature"]), diff, cfg.compat, similarity=score)
-    checks, risk = _checks(engine, s.policy, {"discrepancies": d.to_dict()})
-    return meta, checks, risk

@@ -65,17 +65,28 @@ class Request:
 
 @dataclass
 class Stats:
-    """What happened to one request. Timings are seconds per stage."""
+    """What happened to one request. Timings are seconds per stage.
+
+    ``hit``: reused cached work (``exact_hit``: returned a stored video); ``source_id``: the entry reused;
+    ``reason``: the decision in one line; ``certified``: whether the thresholds that accepted an approximate hit were
+    certified (None: not a thresholded decision); ``resume_step``: the first step computed after the reuse;
+    ``dit_forwards`` / ``dense_forwards``: transformer forwards run, and what a dense run of the request runs;
+    ``entry_id``: the entry this request was stored as; ``notes``: the decision's evidence (candidates, signature,
+    discrepancies, similarity, ...), JSON-able.
+    """
 
     policy: str = "dense"
     hit: bool = False
     exact_hit: bool = False
     source_id: str | None = None
+    reason: str = ""
+    certified: bool | None = None
     resume_step: int | None = None
     active_fraction: float | None = None
     mask_density: float | None = None
     entry_id: str | None = None
     dit_forwards: int = 0
+    dense_forwards: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
 

@@ -2,7 +2,7 @@
 
 Every family's processor (Wan's too) forms per-head Q and K of shape (B, H, N, d) and hands the cond
 row's to :func:`record_cross` (visual queries over the text keys) or :func:`record_self` (visual
-queries over the visual keys); both fill the controller's :class:`EvidenceRecord`.
+queries over the visual keys); both fill the step's :class:`EvidenceRecord` (:mod:`carnator.attention.state`).
 :func:`joint_attention` is the whole attention of the joint text-video families (CogVideoX, HunyuanVideo).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.controller import AttentionController, EvidenceRecord
+from ..attention.state import EvidenceRecord, StepAttention
 from ..attention.kernels import masked_attention
 
 __all__ = ["evidence_record", "joint_attention", "record_cross", "record_self"]
@@ -25,14 +25,14 @@ def _lse_chunked(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int) -> 
     return out
 
 
-def evidence_record(ctrl: AttentionController, scale: float) -> EvidenceRecord:
+def evidence_record(ctrl: StepAttention, scale: float) -> EvidenceRecord:
     """The request's record, created at the first recording call of the probe forward."""
     if ctrl.evidence is None:
         ctrl.evidence = EvidenceRecord(positions=list(ctrl.record_positions), scale=scale)
     return ctrl.evidence
 
 
-def record_cross(ctrl: AttentionController, q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | None = None) -> None:
+def record_cross(ctrl: StepAttention, q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | None = None) -> None:
     """Cross-attention probabilities (H, N, positions) of the cond row's queries to the recorded text positions.
 
     q: (B, H, N, d) visual queries; k: (B, H, L, d) text keys; bias: additive logit bias broadcastable to
@@ -52,7 +52,7 @@ def record_cross(ctrl: AttentionController, q: torch.Tensor, k: torch.Tensor, sc
     rec.cross = torch.cat(cols, dim=1)
 
 
-def record_self(ctrl: AttentionController, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
+def record_self(ctrl: StepAttention, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
     """The cond row's self-attention Q, K (H, N, d) and row log-sum-exps (H, N) over the visual keys."""
     b = ctrl.branches.index(0)
     rec = evidence_record(ctrl, scale)
@@ -66,7 +66,7 @@ def _key_bias(valid: torch.Tensor) -> torch.Tensor:
 
 
 def joint_attention(
-    ctrl: AttentionController,
+    ctrl: StepAttention,
     layer: int,
     video: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     text: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -75,7 +75,7 @@ def joint_attention(
     text_valid: torch.Tensor | None = None,
     windowed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One joint text-video attention (CogVideoX, HunyuanVideo), as the controller asks; returns (out_video, out_text).
+    """One joint text-video attention (CogVideoX, HunyuanVideo), as the step's attention plan asks; returns (out_video, out_text).
 
     video = (q_v, k_v, v_v), text = (q_t, k_t, v_t), each (B, H, S, d) after norms and RoPE; the model's
     sequence is text then video (``text_first``) or video then text. ``text_valid``: bool (B, 1, 1, L) of the
@@ -98,6 +98,7 @@ def joint_attention(
     if not windowed:
         if ctrl.recording(layer):
             record_cross(ctrl, qv, kt, scale, None if text_valid is None else _key_bias(text_valid))
+        if ctrl.recording(layer, self_attention=True):
             record_self(ctrl, qv, kv, scale)
         if ctrl.capturing(layer):
             ctrl.capture(layer, qv, kv)
@@ -138,19 +139,20 @@ def joint_attention(
     return out_v, out_t
 
 
-def install(transformer, controller: AttentionController, blocks) -> None:
+def install(transformer, blocks) -> None:
     """Install carnator's processors and window-aware block forwards on ``transformer``. Idempotent.
 
     ``blocks``: ``(block, {attention module: processor}, window_forward)`` per layer, in layer order;
-    ``window_forward(block, controller, layer, original_forward)`` returns the block's new forward.
-    The original forward is kept on the block, so a second controller re-wraps it, not the wrapper.
+    ``window_forward(block, layer, original_forward)`` returns the block's new forward. Processors and forwards hold
+    no request state: they read the running step's :func:`~carnator.attention.state.current` attention state and
+    compute the unmodified attention outside any step.
     """
-    if getattr(transformer, "_carnator_controller", None) is controller:
+    if getattr(transformer, "_carnator_attention", False):
         return
     for i, (blk, processors, window_forward) in enumerate(blocks):
         for attn, proc in processors.items():
             attn.set_processor(proc)
         original = getattr(blk, "_carnator_original_forward", None) or blk.forward
         blk._carnator_original_forward = original
-        blk.forward = window_forward(blk, controller, i, original)
-    transformer._carnator_controller = controller
+        blk.forward = window_forward(blk, i, original)
+    transformer._carnator_attention = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,8 +81,9 @@ class BackboneAdapter(ABC):
     """One model family over a diffusers pipeline.
 
     The denoising loop calls, in order: :meth:`resolve` (fill and check a request), :meth:`encode`,
-    :meth:`prepare_latents`, :meth:`timesteps`, then per step :meth:`predict` and :meth:`step`, and
-    finally :meth:`decode`. Latents passed between these are in the pipeline's own layout (the
+    :meth:`prepare_latents`, :meth:`new_scheduler` and :meth:`timesteps`, then per step :meth:`predict` and
+    :meth:`step`, and finally :meth:`decode`. An adapter holds no request state: everything that changes during a
+    request (the scheduler, the attention plan and record) belongs to the request, so requests may run side by side. Latents passed between these are in the pipeline's own layout (the
     layout its scheduler steps on).
     """
 
@@ -92,6 +94,12 @@ class BackboneAdapter(ABC):
         self.pipe = pipe
         self._intra = None
         self._cuda_graphs = False
+
+    @property
+    def vae_lock(self) -> threading.Lock:
+        """Held around every VAE decode: diffusers' video VAEs keep per-call state on the module (Wan's causal
+        feature cache), so two requests must not decode on one VAE at once. One lock per pipeline."""
+        return self.pipe.__dict__.setdefault("_carnator_vae_lock", threading.Lock())
 
     #: whether :meth:`predict` can replay idle forwards as CUDA graphs (:meth:`use_cuda_graphs`)
     supports_cuda_graphs: ClassVar[bool] = False
@@ -106,35 +114,27 @@ class BackboneAdapter(ABC):
     # ---- attention (probe evidence, sparse connectivity, active-token window) ------------------
     supports_attention: ClassVar[bool] = False
 
-    @property
-    def _controller(self):
-        """The controller whose processors are on this transformer, if any. It belongs to the transformer, not to
-        an adapter: every adapter (and engine) over one pipeline sees, resets and drives the same one, so one
-        engine's attention plan (masks, window) never leaks into another engine's request."""
-        return getattr(self.transformer, "_carnator_controller", None)
-
-    def attention(self):
-        """The request-scoped :class:`~carnator.attention.controller.AttentionController`, installing
-        carnator's attention processors on first use. Families without processors raise."""
+    def ensure_attention(self) -> None:
+        """Install carnator's attention processors on the transformer (once; they hold no request state and compute
+        the unmodified attention outside a step's :func:`~carnator.attention.state.attention_step`). Families
+        without processors raise NotImplementedError."""
         if not self.supports_attention:
             raise NotImplementedError(f"carnator's attention processors are not available for {self.family} yet")
-        if self._controller is None:
-            from ..attention.controller import AttentionController
-
+        if not getattr(self.transformer, "_carnator_attention", False):
             if self._intra is not None:
                 # carnator's block forwards go *under* diffusers' cache hooks (a skipped block must skip them too);
                 # the hooks are put back on the next forward.
                 self._intra.remove()
-            self.install_attention(AttentionController())
-        return self._controller
+            self.install_attention()
 
-    def install_attention(self, controller) -> None:
+    def install_attention(self) -> None:
         raise NotImplementedError
 
     def _branches(self, branches: tuple[int, ...], step: int) -> None:
-        if self._controller is not None:
-            self._controller.branches = branches
-            self._controller.step = step
+        """Announce the CFG branch of each batch row of the next forward (0 = cond, 1 = uncond)."""
+        from ..attention.state import set_branches
+
+        set_branches(branches)
 
     # ---- diffusers' intra-request caches (carnator.intra_cache) ----------------------------------
     #: per kind, the diffusers config fields that fit this family (which modules to hook, output layout)
@@ -187,9 +187,11 @@ class BackboneAdapter(ABC):
 
         tr = self.transformer
         if self._intra is not None:
-            ctrl = self._controller
-            recording = ctrl is not None and ctrl.record_step == step
-            w = ctrl.window if ctrl is not None else None
+            from ..attention.state import current
+
+            plan = current().plan
+            recording = plan.record is not None
+            w = plan.window
             window = None if w is None else (id(w), w.layers.start, w.layers.stop, int(w.active.numel()), int(w.context.numel()))
             self._intra.before_forward(name, step, t, req, do_cfg, recording, window)
         if isinstance(tr, CacheMixin):
@@ -201,9 +203,9 @@ class BackboneAdapter(ABC):
     def num_layers(self) -> int:
         return len(self.transformer.blocks)
 
-    def predicted_x0(self, latents: torch.Tensor, noise_pred: torch.Tensor, step: int) -> torch.Tensor:
-        """The clean-latent estimate at ``step`` (flow matching: x0 = x_t - sigma_t * v)."""
-        sigma = self.pipe.scheduler.sigmas[step].to(latents.device, torch.float32)
+    def predicted_x0(self, scheduler, latents: torch.Tensor, noise_pred: torch.Tensor, step: int) -> torch.Tensor:
+        """The clean-latent estimate at ``step`` under the request's ``scheduler`` (flow matching: x0 = x_t - sigma_t * v)."""
+        sigma = scheduler.sigmas[step].to(latents.device, torch.float32)
         return latents.float() - sigma * noise_pred.float()
 
     def latent_weight(self, weight: np.ndarray, latents: torch.Tensor) -> torch.Tensor:
@@ -310,19 +312,25 @@ class BackboneAdapter(ABC):
     @abstractmethod
     def prepare_latents(self, req: Request, generator: torch.Generator) -> torch.Tensor: ...
 
+    def new_scheduler(self):
+        """A scheduler of its own for one request, configured as the pipeline's: multistep solvers keep history
+        between steps, so requests that share one scheduler object cannot run side by side."""
+        s = self.pipe.scheduler
+        return type(s).from_config(s.config)
+
     @abstractmethod
-    def timesteps(self, req: Request) -> torch.Tensor:
-        """Reset the scheduler for this request and return its timesteps (one per step)."""
+    def timesteps(self, scheduler, req: Request) -> torch.Tensor:
+        """Set the request's ``scheduler`` (from :meth:`new_scheduler`) for this request; its timesteps (one per step)."""
 
     @abstractmethod
     def predict(self, latents: torch.Tensor, t: torch.Tensor, step: int, cond: Conditioning, req: Request) -> torch.Tensor:
         """One guided prediction (every CFG branch) for the scheduler."""
 
-    def step(self, noise_pred: torch.Tensor, t: torch.Tensor, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """One scheduler step; returns the post-scheduler latent."""
-        return self.pipe.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+    def step(self, scheduler, noise_pred: torch.Tensor, t: torch.Tensor, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """One step of the request's ``scheduler``; returns the post-scheduler latent."""
+        return scheduler.step(noise_pred, t, latents, return_dict=False)[0]
 
-    def seek(self, step: int) -> None:
+    def seek(self, scheduler, step: int) -> None:
         """Position the scheduler at ``step`` (after :meth:`timesteps`) with an empty multistep history.
 
         Used to resume from a cached latent: the next :meth:`step` call advances from ``step``, and
@@ -330,7 +338,7 @@ class BackboneAdapter(ABC):
         """
         if self._intra is not None:
             self._intra.begin()  # another trajectory from here: the intra-request cache starts over
-        s = self.pipe.scheduler
+        s = scheduler
         if hasattr(s, "_step_index"):
             s._step_index = int(step)
         if hasattr(s, "model_outputs"):
@@ -354,6 +362,13 @@ class BackboneAdapter(ABC):
     @abstractmethod
     def prompt_token_ids(self, prompt: str) -> list[int]:
         """Token ids of the prompt exactly as the transformer sees them (cond branch, unpadded)."""
+
+    def noun_extractor(self):
+        """The nouns of a prompt for this model (``text -> list[str]``): spaCy or the heuristic of
+        :func:`~carnator.signature.nouns.extract_nouns` for real models."""
+        from ..signature.nouns import extract_nouns
+
+        return extract_nouns
 
     def word_token_positions(self, prompt: str, word: str, modifiers: int = 0) -> list[int]:
         """Positions (in the transformer's text sequence) of the tokens that spell ``word`` in ``prompt``, with up to

@@ -13,7 +13,6 @@ generator. The x0 history is kept per run, keyed by the run's generator (one per
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -40,14 +39,12 @@ class CogVideoXAdapter(BackboneAdapter):
 
     def __init__(self, pipe):
         super().__init__(pipe)
-        # DPM multistep history: generator of a run -> (timestep index it applies to, previous x0 prediction).
-        self._x0_history: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._rope_cache: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def install_attention(self, controller) -> None:
+    def install_attention(self) -> None:
         from .cogvideox_attention import apply_carnator_attention
 
-        apply_carnator_attention(self.transformer, controller)
+        apply_carnator_attention(self.transformer)
 
     def num_layers(self) -> int:
         return len(self.transformer.transformer_blocks)
@@ -96,9 +93,9 @@ class CogVideoXAdapter(BackboneAdapter):
         patch = (t // weight.shape[0], h // weight.shape[1], w // weight.shape[2])
         return torch.from_numpy(upsample_tokens(weight, patch).astype(np.float32))[None, :, None].to(latents.device)
 
-    def predicted_x0(self, latents: torch.Tensor, noise_pred: torch.Tensor, step: int) -> torch.Tensor:
+    def predicted_x0(self, scheduler, latents: torch.Tensor, noise_pred: torch.Tensor, step: int) -> torch.Tensor:
         """The clean-latent estimate at ``step`` from the DDIM/DPM scheduler's cumulative alphas (epsilon or v prediction)."""
-        s = self.pipe.scheduler
+        s = scheduler
         t = int(s.timesteps[step])
         a = s.alphas_cumprod[t].to(latents.device, torch.float32)
         x, out = latents.float(), noise_pred.float()
@@ -141,24 +138,25 @@ class CogVideoXAdapter(BackboneAdapter):
             1, self.transformer.config.in_channels, frames, req.height, req.width, self._dtype, self.device, generator, None
         )
 
-    def timesteps(self, req: Request) -> torch.Tensor:
+    def timesteps(self, scheduler, req: Request) -> torch.Tensor:
         from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
 
-        ts, _ = retrieve_timesteps(self.pipe.scheduler, req.num_inference_steps, self.device, None)
+        ts, _ = retrieve_timesteps(scheduler, req.num_inference_steps, self.device, None)
         return ts
 
     def _rotary(self, req: Request, latent_frames: int):
         if not self.transformer.config.use_rotary_positional_embeddings:
             return None
         key = (req.height, req.width, latent_frames, str(self.device))
-        if self._rope_cache is None or self._rope_cache[0] != key:
-            self._rope_cache = (key, self.pipe._prepare_rotary_positional_embeddings(req.height, req.width, latent_frames, self.device))
-        return self._rope_cache[1]
+        cached = self._rope_cache  # one read: another request may replace it meanwhile
+        if cached is None or cached[0] != key:
+            cached = self._rope_cache = (key, self.pipe._prepare_rotary_positional_embeddings(req.height, req.width, latent_frames, self.device))
+        return cached[1]
 
     def predict(self, latents, t, step, cond, req):
-        tr, s = self.transformer, self.pipe.scheduler
+        tr = self.transformer
         x = torch.cat([latents] * 2) if cond.do_cfg else latents
-        x = s.scale_model_input(x, t)
+        x = self.pipe.scheduler.scale_model_input(x, t)  # stateless for DDIM and CogVideoX's DPM (returns x)
         self._branches((1, 0) if cond.do_cfg else (0,), step)  # uncond rows first
         with torch.no_grad(), self.branch_context("cond_uncond" if cond.do_cfg else "cond", step, t, req, cond.do_cfg):
             out = tr(
@@ -178,30 +176,30 @@ class CogVideoXAdapter(BackboneAdapter):
             out = unc + g * (txt - unc)
         return out
 
-    def step(self, noise_pred, t, latents, generator):
+    def step(self, scheduler, noise_pred, t, latents, generator):
         from diffusers import CogVideoXDPMScheduler
 
-        s = self.pipe.scheduler
+        s = scheduler
         kwargs = self.pipe.prepare_extra_step_kwargs(generator, self.eta)
         if not isinstance(s, CogVideoXDPMScheduler):
             out = s.step(noise_pred, t, latents, **kwargs, return_dict=False)[0]
             return out.to(self._dtype)
         i = int((s.timesteps == t).nonzero()[0, 0])
-        prev = self._x0_history.get(generator)
+        prev = getattr(s, "_carnator_x0", None)  # (next step, x0) of this request's run
         old_x0 = prev[1] if prev is not None and prev[0] == i else None  # no history (fresh or resumed run): first order
         back = s.timesteps[i - 1] if i > 0 else None
         out, x0 = s.step(noise_pred, old_x0, t, back, latents, **kwargs, return_dict=False)
-        self._x0_history[generator] = (i + 1, x0)
+        s._carnator_x0 = (i + 1, x0)
         return out.to(self._dtype)
 
-    def seek(self, step: int) -> None:
+    def seek(self, scheduler, step: int) -> None:
         """Resume at ``step`` with no DPM history: the next DPM step is first order, as at step 0.
 
         DDIM needs nothing (it is stateless). DPM also draws noise from the run's generator, so a
         resumed DPM run matches a dense one only in distribution, never exactly.
         """
-        super().seek(step)
-        self._x0_history.clear()
+        super().seek(scheduler, step)
+        scheduler._carnator_x0 = None
 
     def decode(self, latents: torch.Tensor, req: Request) -> np.ndarray:
         _, pad = self._latent_frames(req)

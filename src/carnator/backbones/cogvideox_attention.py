@@ -3,7 +3,7 @@
 CogVideoX has one *joint* attention per block (``attn1``): the text tokens (L, first) and the video
 tokens (N, after them) attend to each other in one softmax; the video part gets RoPE. Installed by
 :func:`apply_carnator_attention`, the processor computes exactly what diffusers'
-``CogVideoXAttnProcessor2_0`` computes, and additionally, as an :class:`AttentionController` asks:
+``CogVideoXAttnProcessor2_0`` computes, and additionally, as the running step's :class:`~carnator.attention.state.AttentionPlan` asks:
 
 - record probe evidence at one layer and step, from the joint attention's blocks: the
   video-text block as the cross-attention (softmax of the video queries over the L text keys, i.e.
@@ -24,15 +24,14 @@ import types
 
 import torch
 
-from ..attention.controller import AttentionController
+from ..attention.state import current
 from .attention_common import install, joint_attention
 
 
 class CarnatorCogVideoXProcessor:
     """Processor for the joint attention ``attn1`` of layer ``layer``."""
 
-    def __init__(self, controller: AttentionController, layer: int):
-        self.ctrl = controller
+    def __init__(self, layer: int):
         self.layer = layer
 
     def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None, kv_states=None, kv_rotary=None):
@@ -40,7 +39,7 @@ class CarnatorCogVideoXProcessor:
 
         if attention_mask is not None:
             raise NotImplementedError("carnator's CogVideoX processor takes no attention mask (the pipelines pass none)")
-        ctrl = self.ctrl
+        ctrl = current()
         ctrl.fit_rows(hidden_states.shape[0])
         n_txt = encoder_hidden_states.size(1)
         heads = attn.heads
@@ -72,10 +71,11 @@ class CarnatorCogVideoXProcessor:
         return out, enc_out
 
 
-def _window_block_forward(block, ctrl: AttentionController, layer: int, original):
+def _window_block_forward(block, layer: int, original):
     """CogVideoXBlock.forward that, inside the window, recomputes only the Active video tokens (and the text)."""
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, attention_kwargs=None):
+        ctrl = current()
         if not ctrl.in_window(layer):
             return original(hidden_states, encoder_hidden_states, temb, image_rotary_emb, attention_kwargs)
         dev = hidden_states.device
@@ -102,8 +102,8 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
     return types.MethodType(forward, block)
 
 
-def apply_carnator_attention(transformer, controller: AttentionController) -> None:
+def apply_carnator_attention(transformer) -> None:
     """Install carnator's processors (and window-aware block forwards) on a CogVideoXTransformer3DModel. Idempotent."""
-    install(transformer, controller, [
-        (blk, {blk.attn1: CarnatorCogVideoXProcessor(controller, i)}, _window_block_forward)
+    install(transformer, [
+        (blk, {blk.attn1: CarnatorCogVideoXProcessor(i)}, _window_block_forward)
         for i, blk in enumerate(transformer.transformer_blocks)])

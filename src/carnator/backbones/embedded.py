@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 
 import numpy as np
 import torch
@@ -50,6 +51,10 @@ class EmbeddedAdapter(WanAdapter):
     family = "embedded"
     pipeline_classes = ("EmbeddedPipeline",)
 
+    def __init__(self, pipe):
+        super().__init__(pipe)
+        self._graph_lock = threading.Lock()
+
     @property
     def cfg(self):
         return self.pipe.cfg
@@ -94,6 +99,14 @@ class EmbeddedAdapter(WanAdapter):
     def prompt_token_ids(self, prompt: str) -> list[int]:
         known, _ = self.pipe.tokenizer.split(prompt)
         return [self.pipe.tokenizer.ids[w] for w in known]
+
+    def noun_extractor(self):
+        """Exact nouns of the shapes world's captions, from the lexicon shipped with the model (``lexicon.json``);
+        a prompt with words outside the model's vocabulary falls back to the real-prompt extractor."""
+        from ..embedded import HERE
+        from ..signature.nouns import LexiconNouns
+
+        return LexiconNouns.from_file(HERE / "lexicon.json")
 
     def word_token_positions(self, prompt: str, word: str, modifiers: int = 0) -> list[int]:
         """One token per known word (unknown words are dropped, the sequence is cut at ``max_words``)."""
@@ -144,14 +157,17 @@ class EmbeddedAdapter(WanAdapter):
 
     def _forward(self, name, step, t, req, do_cfg, x, tb, emb) -> torch.Tensor:
         """The transformer's output for one (possibly CFG-batched) forward: replayed from a CUDA graph when graphs
-        are on and nothing is recorded or applied at this step (:meth:`AttentionController.idle_at`), else eager."""
-        ctrl = self._controller
-        if self._cuda_graphs and x.device.type == "cuda" and self._intra is None and (ctrl is None or ctrl.idle_at(step)):
-            graphs = self.__dict__.setdefault("_graphs", {})
+        are on and nothing is recorded or applied at this step (:attr:`AttentionPlan.idle`), else eager."""
+        from ..attention.state import active
+
+        st = active()
+        if self._cuda_graphs and x.device.type == "cuda" and self._intra is None and (st is None or st.plan.idle):
             key = (tuple(x.shape), tuple(emb.shape), x.dtype, emb.dtype)
-            if key not in graphs:
-                graphs[key] = GraphedForward(self._plain_forward, (x, tb, emb))
-            return graphs[key](x, tb, emb)
+            with self._graph_lock:  # one graph, one set of input buffers: replays take turns
+                graphs = self.__dict__.setdefault("_graphs", {})
+                if key not in graphs:
+                    graphs[key] = GraphedForward(self._plain_forward, (x, tb, emb))
+                return graphs[key](x, tb, emb)
         with self.branch_context(name, step, t, req, do_cfg):
             return self._plain_forward(x, tb, emb)
 

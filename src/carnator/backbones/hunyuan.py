@@ -49,10 +49,10 @@ class HunyuanVideoAdapter(BackboneAdapter):
         super().__init__(pipe)
         self.prompt_template: dict[str, Any] = _default_template()
 
-    def install_attention(self, controller) -> None:
+    def install_attention(self) -> None:
         from .hunyuan_attention import apply_carnator_attention
 
-        apply_carnator_attention(self.transformer, controller)
+        apply_carnator_attention(self.transformer)
 
     def num_layers(self) -> int:
         """Dual-stream blocks, then single-stream blocks (carnator's layer numbering)."""
@@ -166,11 +166,11 @@ class HunyuanVideoAdapter(BackboneAdapter):
             torch.float32, self.device, generator, None,
         )
 
-    def timesteps(self, req: Request) -> torch.Tensor:
+    def timesteps(self, scheduler, req: Request) -> torch.Tensor:
         from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import retrieve_timesteps
 
         n = req.num_inference_steps
-        s = self.pipe.scheduler
+        s = scheduler
         ts, _ = retrieve_timesteps(s, n, self.device, sigmas=np.linspace(1.0, 0.0, n + 1)[:-1])
         s.set_begin_index(0)
         return ts

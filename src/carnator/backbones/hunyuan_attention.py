@@ -7,7 +7,7 @@ the single-stream ``single_transformer_blocks`` (one projection of the concatena
 numbers them in that order (layer = dual index, then number of dual blocks + single index).
 
 Installed by :func:`apply_carnator_attention`, the processors compute exactly what diffusers'
-``HunyuanVideoAttnProcessor2_0`` computes, and the controller's duties run through
+``HunyuanVideoAttnProcessor2_0`` computes, and the attention plan's duties run through
 :func:`~.attention_common.joint_attention`: the probe record reads the video-text block (softmax of
 the video queries over the valid text keys) and the video-video block; block masks cover the
 video-video block (text keys and text queries always attended); TGAA biases the video queries' text
@@ -21,15 +21,14 @@ import types
 
 import torch
 
-from ..attention.controller import AttentionController
+from ..attention.state import current
 from .attention_common import install, joint_attention
 
 
 class CarnatorHunyuanProcessor:
     """Processor for the joint attention ``attn`` of (dual- or single-stream) layer ``layer``."""
 
-    def __init__(self, controller: AttentionController, layer: int):
-        self.ctrl = controller
+    def __init__(self, layer: int):
         self.layer = layer
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None, kv_states=None, kv_rotary=None):
@@ -37,7 +36,7 @@ class CarnatorHunyuanProcessor:
 
         if encoder_hidden_states is None:
             raise NotImplementedError("carnator's HunyuanVideo processor needs the text tokens (joint attention)")
-        ctrl = self.ctrl
+        ctrl = current()
         ctrl.fit_rows(hidden_states.shape[0])
         n_txt = encoder_hidden_states.shape[1]
         src = hidden_states if kv_states is None else kv_states
@@ -91,10 +90,11 @@ def _rot(image_rotary_emb, idx):
     return None if image_rotary_emb is None else tuple(r[idx] for r in image_rotary_emb)
 
 
-def _window_dual_forward(block, ctrl: AttentionController, layer: int, original):
+def _window_dual_forward(block, layer: int, original):
     """HunyuanVideoTransformerBlock.forward that, inside the window, recomputes only the Active video tokens (and the text)."""
 
     def forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None, freqs_cis=None, *args, **kwargs):
+        ctrl = current()
         if not ctrl.in_window(layer):
             return original(hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis, *args, **kwargs)
         dev = hidden_states.device
@@ -117,10 +117,11 @@ def _window_dual_forward(block, ctrl: AttentionController, layer: int, original)
     return types.MethodType(forward, block)
 
 
-def _window_single_forward(block, ctrl: AttentionController, layer: int, original):
+def _window_single_forward(block, layer: int, original):
     """HunyuanVideoSingleTransformerBlock.forward that, inside the window, recomputes only the Active video tokens (and the text)."""
 
     def forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None, image_rotary_emb=None, *args, **kwargs):
+        ctrl = current()
         if not ctrl.in_window(layer):
             return original(hidden_states, encoder_hidden_states, temb, attention_mask, image_rotary_emb, *args, **kwargs)
         dev = hidden_states.device
@@ -141,10 +142,10 @@ def _window_single_forward(block, ctrl: AttentionController, layer: int, origina
     return types.MethodType(forward, block)
 
 
-def apply_carnator_attention(transformer, controller: AttentionController) -> None:
+def apply_carnator_attention(transformer) -> None:
     """Install carnator's processors (and window-aware block forwards) on a HunyuanVideoTransformer3DModel. Idempotent.
 
     Layers are numbered over the dual-stream blocks first, then the single-stream ones."""
     kinds = [(b, _window_dual_forward) for b in transformer.transformer_blocks]
     kinds += [(b, _window_single_forward) for b in transformer.single_transformer_blocks]
-    install(transformer, controller, [(blk, {blk.attn: CarnatorHunyuanProcessor(controller, i)}, fwd) for i, (blk, fwd) in enumerate(kinds)])
+    install(transformer, [(blk, {blk.attn: CarnatorHunyuanProcessor(i)}, fwd) for i, (blk, fwd) in enumerate(kinds)])

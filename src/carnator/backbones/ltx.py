@@ -36,10 +36,10 @@ class LTXAdapter(BackboneAdapter):
     decode_timestep: float = 0.0
     decode_noise_scale: float | None = None
 
-    def install_attention(self, controller) -> None:
+    def install_attention(self) -> None:
         from .ltx_attention import apply_carnator_attention
 
-        apply_carnator_attention(self.transformer, controller)
+        apply_carnator_attention(self.transformer)
 
     def num_layers(self) -> int:
         return len(self.transformer.transformer_blocks)
@@ -105,10 +105,10 @@ class LTXAdapter(BackboneAdapter):
             torch.float32, self.device, generator, None,
         )
 
-    def timesteps(self, req: Request) -> torch.Tensor:
+    def timesteps(self, scheduler, req: Request) -> torch.Tensor:
         from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift, retrieve_timesteps
 
-        s = self.pipe.scheduler
+        s = scheduler
         n = req.num_inference_steps
         t, h, w = self._latent_grid(req)
         mu = calculate_shift(

@@ -4,7 +4,7 @@ LTX's blocks are laid out like Wan's: self-attention ``attn1`` over the visual t
 full inner dimension, before the head split), cross-attention ``attn2`` to the T5 tokens (with the
 padding mask as an additive bias), a feed-forward, and per-sample (or per-token) AdaLN modulation.
 Installed by :func:`apply_carnator_attention`, the processors compute exactly what diffusers'
-``LTXVideoAttnProcessor`` computes, and additionally, as an :class:`AttentionController` asks
+``LTXVideoAttnProcessor`` computes, and additionally, as the running step's :class:`~carnator.attention.state.AttentionPlan` asks
 (the same duties as :mod:`.wan_attention`):
 
 - record probe evidence at one layer and step: cross-attention of the visual tokens to the chosen
@@ -26,7 +26,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..attention.controller import AttentionController
+from ..attention.state import current
 from ..attention.kernels import masked_attention
 from .attention_common import install, record_cross, record_self
 
@@ -42,13 +42,12 @@ def _rope(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 class CarnatorLTXProcessor:
     """Processor for one LTX attention module (``attn1`` self or ``attn2`` cross) of layer ``layer``."""
 
-    def __init__(self, controller: AttentionController, layer: int, cross: bool):
-        self.ctrl = controller
+    def __init__(self, layer: int, cross: bool):
         self.layer = layer
         self.cross = cross
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None, kv_states=None, kv_rotary=None):
-        ctrl = self.ctrl
+        ctrl = current()
         ctrl.fit_rows(hidden_states.shape[0])
         batch = hidden_states.shape[0]
         if self.cross:
@@ -67,7 +66,7 @@ class CarnatorLTXProcessor:
         q, k, v = (t.unflatten(2, (attn.heads, -1)).transpose(1, 2) for t in (q, k, v))  # B, H, N, D
         scale = q.shape[-1] ** -0.5
 
-        if ctrl.recording(self.layer) and kv_states is None:
+        if ctrl.recording(self.layer, self_attention=not self.cross) and kv_states is None:
             if self.cross:
                 record_cross(ctrl, q, k, scale, attention_mask)
             else:
@@ -87,10 +86,11 @@ class CarnatorLTXProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _window_block_forward(block, ctrl: AttentionController, layer: int, original):
+def _window_block_forward(block, layer: int, original):
     """LTXVideoTransformerBlock.forward that, inside the window, recomputes only the Active tokens."""
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, encoder_attention_mask=None):
+        ctrl = current()
         if not ctrl.in_window(layer):
             return original(hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_attention_mask)
         dev = hidden_states.device
@@ -120,9 +120,9 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
     return types.MethodType(forward, block)
 
 
-def apply_carnator_attention(transformer, controller: AttentionController) -> None:
+def apply_carnator_attention(transformer) -> None:
     """Install carnator's processors (and window-aware block forwards) on an LTXVideoTransformer3DModel. Idempotent."""
-    install(transformer, controller, [
-        (blk, {blk.attn1: CarnatorLTXProcessor(controller, i, cross=False), blk.attn2: CarnatorLTXProcessor(controller, i, cross=True)},
+    install(transformer, [
+        (blk, {blk.attn1: CarnatorLTXProcessor(i, cross=False), blk.attn2: CarnatorLTXProcessor(i, cross=True)},
          _window_block_forward)
         for i, blk in enumerate(transformer.transformer_blocks)])

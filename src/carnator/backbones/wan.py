@@ -22,10 +22,10 @@ class WanAdapter(BackboneAdapter):
         "faster": {"tensor_format": "BCFHW"},
     }
 
-    def install_attention(self, controller) -> None:
+    def install_attention(self) -> None:
         from .wan_attention import apply_carnator_attention
 
-        apply_carnator_attention(self.transformer, controller)
+        apply_carnator_attention(self.transformer)
 
     def defaults(self) -> GenerationDefaults:
         # WanPipeline.__call__ defaults.
@@ -91,8 +91,8 @@ class WanAdapter(BackboneAdapter):
             None,
         )
 
-    def timesteps(self, req: Request) -> torch.Tensor:
-        s = self.pipe.scheduler
+    def timesteps(self, scheduler, req: Request) -> torch.Tensor:
+        s = scheduler
         s.set_timesteps(req.num_inference_steps, device=self.device)
         s.set_begin_index(0)
         return s.timesteps

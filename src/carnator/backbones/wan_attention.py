@@ -1,7 +1,7 @@
 """Carnator's attention processors for Wan transformers (WanTransformer3DModel; also the embedded model).
 
 Installed by :func:`apply_carnator_attention`, they compute exactly what diffusers'
-``WanAttnProcessor`` computes, and additionally, as an :class:`AttentionController` asks:
+``WanAttnProcessor`` computes, and additionally, as the running step's :class:`~carnator.attention.state.AttentionPlan` asks:
 
 - record probe evidence at one layer and step (cross-attention to chosen text positions, chunked
   over queries; self-attention Q, K and row log-sum-exps, so any column can be formed later);
@@ -20,7 +20,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..attention.controller import AttentionController
+from ..attention.state import current
 from ..attention.kernels import masked_attention
 from .attention_common import install, record_cross, record_self
 
@@ -38,15 +38,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class CarnatorWanProcessor:
     """Processor for one Wan attention module (``attn1`` self or ``attn2`` cross) of layer ``layer``."""
 
-    def __init__(self, controller: AttentionController, layer: int, cross: bool):
-        self.ctrl = controller
+    def __init__(self, layer: int, cross: bool):
         self.layer = layer
         self.cross = cross
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, kv_states=None, kv_rotary=None):
         if attn.add_k_proj is not None:
             raise NotImplementedError("image-conditioned Wan (I2V) is not supported by carnator's processors")
-        ctrl = self.ctrl
+        ctrl = current()
         ctrl.fit_rows(hidden_states.shape[0])
         if self.cross:
             src = encoder_hidden_states
@@ -61,7 +60,7 @@ class CarnatorWanProcessor:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # B, H, N, D
         scale = q.shape[-1] ** -0.5
 
-        if ctrl.recording(self.layer) and kv_states is None:
+        if ctrl.recording(self.layer, self_attention=not self.cross) and kv_states is None:
             if self.cross:
                 record_cross(ctrl, q, k, scale)
             else:
@@ -78,10 +77,11 @@ class CarnatorWanProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _window_block_forward(block, ctrl: AttentionController, layer: int, original):
+def _window_block_forward(block, layer: int, original):
     """WanTransformerBlock.forward that, inside the window, recomputes only the Active tokens."""
 
     def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+        ctrl = current()
         if not ctrl.in_window(layer):
             return original(hidden_states, encoder_hidden_states, temb, rotary_emb)
         act, ctx = ctrl.window.active.to(hidden_states.device), ctrl.window.context.to(hidden_states.device)
@@ -108,9 +108,9 @@ def _window_block_forward(block, ctrl: AttentionController, layer: int, original
     return types.MethodType(forward, block)
 
 
-def apply_carnator_attention(transformer, controller: AttentionController) -> None:
+def apply_carnator_attention(transformer) -> None:
     """Install carnator's processors (and window-aware block forwards) on a WanTransformer3DModel. Idempotent."""
-    install(transformer, controller, [
-        (blk, {blk.attn1: CarnatorWanProcessor(controller, i, cross=False), blk.attn2: CarnatorWanProcessor(controller, i, cross=True)},
+    install(transformer, [
+        (blk, {blk.attn1: CarnatorWanProcessor(i, cross=False), blk.attn2: CarnatorWanProcessor(i, cross=True)},
          _window_block_forward)
         for i, blk in enumerate(transformer.blocks)])

@@ -44,7 +44,7 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
     """Run ``policies`` (dense first, always included unless ``only``) and, with ``report``, summarize and write
     the report; without ``report`` (a worker of a parallel run) return None once the rows are written.
 
-    The warm cache: every warm request generated as a miss (``reuse=False``: dense, recording and storing what the
+    The warm cache: every warm request generated as a miss (``cache="off"``: dense, recording and storing what the
     policy keeps), so each policy starts its test stream from the same W completed requests. Requests already in
     the cache are skipped (an interrupted fill resumes); ``warm_shard=(k, n)`` fills only requests k, k + n, ...
     and returns (parallel fills of one cache)."""
@@ -72,7 +72,7 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 todo = trace.warm[k0::n]
                 for k, r in enumerate(todo):
                     if not eng.is_cached(r.prompt, seed=r.seed, num_inference_steps=steps):
-                        eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, reuse=False)
+                        eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, cache="off")
                     progress(f"[{pol}] warm {k + 1}/{len(todo)}" + (f" (shard {k0 + 1} of {n})" if n > 1 else ""))
                 if warm_shard is None:
                     (cache / ".warm").write_text("ok")
@@ -90,7 +90,7 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                        "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0), "fidelity": j.fidelity, "artifact": j.artifact,
                        "mask_density": s.mask_density, "active_fraction": s.active_fraction}
                 if s.hit and getattr(s, "source_id", None) is not None:  # which cached request it reused, and why (for per-hit analysis)
-                    src = eng.bank.get(s.source_id)
+                    src = eng.store.get(s.source_id)
                     row["source_prompt"] = None if src is None else src.prompt
                     for key in ("similarity", "discrepancies"):
                         if key in getattr(s, "notes", {}):
@@ -103,7 +103,7 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 log.flush()
                 done[(pol, i)] = row
                 progress(f"[{pol}] {i + 1}/{len(trace.test)} {r.kind:9s} hit={s.hit} e2e={row['e2e']:.2f}s fid={j.fidelity:.2f}")
-            st = eng.bank.stats()
+            st = eng.store.stats()
             done[(pol, "bytes")] = {"bytes_per_entry": st.bytes / max(st.count, 1)}
     if not report:
         return None

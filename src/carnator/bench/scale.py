@@ -20,7 +20,7 @@ One call measures one backbone through the real engine, on a CUDA GPU:
    compiled FlexAttention, capture of the new request's own masks, VAE decode) runs as in
    serving.
 3. **Baselines' hits** (``ScaleConfig.baselines``): NIRVANA, Chorus and Chorus II on the same target, each from an entry
-   holding only what it reads, with their plans replayed too (:func:`baseline_replays`).
+   holding only what it reads, with their plans replayed too (:func:`replay_decision`).
 4. **Kernels**: block-sparse attention (compiled FlexAttention) at density d against d x the
    cuDNN SDPA dense time (the limit), at the backbone's self-attention shape; and the cost of
    building one BlockMask.
@@ -37,6 +37,7 @@ import os
 import statistics
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SPECS", "ReplayPolicy", "ScaleSpec", "box_for_active_fraction", "build_pipeline", "kernel_bench", "run_scale", "synthetic_masks"]
+__all__ = ["SPECS", "replay_decision", "ScaleSpec", "box_for_active_fraction", "build_pipeline", "kernel_bench", "run_scale", "synthetic_masks"]
 
 PROMPT_SOURCE = "a red fox running through a snowy forest at dawn, cinematic"
 PROMPT_TARGET = "a red wolf running through a snowy forest at dawn, cinematic"
@@ -272,46 +273,12 @@ def synthetic_masks(num_heads: int, q_len: int, block: int, density: float, *, s
     return ms
 
 
-def _replay_policy_class():
-    from ..policies.carnator import CarnatorPolicy
-    from ..reuse import discrepancies
-    from ..signature import EarlySignature
-
-    class ReplayPolicy(CarnatorPolicy):
-        """carnator with the decision forced to the first recalled candidate and the Evidence Region
-        replaced by a box of the requested Active fraction (bench-scale only: random weights)."""
-
-        name = "carnator-replay"
-
-        def __init__(self, active_fraction: float = 0.3, **kw):
-            super().__init__(**kw)
-            self.active_fraction = active_fraction
-
-        def decide(self, ctx, sig, candidates):
-            won = super().decide(ctx, sig, candidates)  # the real test runs (and is timed)
-            if won is not None or not candidates:
-                return won
-            meta, score, diff = candidates[0]
-            return meta, diff, discrepancies(sig, EarlySignature.from_dict(meta.extra["signature"]), diff, self.cfg.compat, score)
-
-        def _reuse_plan(self, ctx, won, regions, prefetched=None):
-            box = box_for_active_fraction(ctx.adapter.token_grid(ctx.request), self.active_fraction, self.cfg.scope)
-            return super()._reuse_plan(ctx, won, {noun: box for noun in regions}, prefetched)
-
-    return ReplayPolicy
-
-
-def ReplayPolicy(**kw):
-    """An instance of the replay policy (see :func:`_replay_policy_class`)."""
-    return _replay_policy_class()(**kw)
-
-
 BASELINES = ("nirvana", "chorus", "chorus2")
 
 
-def baseline_replays(cfg: "ScaleConfig", steps: int) -> dict[str, Any]:
-    """The cross-request baselines with their plans replayed, by baseline name; each instance's ``name`` is
-    ``<baseline>-replay``. Their text gate passes any candidate (random weights give no meaningful similarity):
+def baseline_policies(cfg: "ScaleConfig", steps: int) -> dict[str, Any]:
+    """The cross-request baselines whose hits are replayed, by name, configured as carnator's replay is (window, scope,
+    block masks); each hit is an injected :class:`~carnator.plan.Decision` (:func:`replay_decision`):
 
     - ``nirvana``: resumes at ``cfg.nirvana_resume_step`` (of 50, scaled to ``steps``) from the entry's latent;
     - ``chorus``: its stages as configured (``ChorusConfig``: stage 2 from 0.3 n, stage 3 from 0.8 n), TGAA on the
@@ -320,45 +287,53 @@ def baseline_replays(cfg: "ScaleConfig", steps: int) -> dict[str, Any]:
     - ``chorus2``: every step dense-scheduled under the entry's block masks (``cfg.block``, recorded every
       ``cfg.mask_stride`` steps), the request's own trajectory.
     """
-    from ..policies.baselines import Chorus2Policy, NirvanaPolicy, TextGate, _nirvana_step
+    from ..policies.baselines import Chorus2Policy, NirvanaPolicy
     from ..policies.chorus import ChorusConfig, ChorusPolicy
 
     ccfg = _carnator_config(cfg)
-    gate = TextGate(min_similarity=-1.0)
-    k = min(_nirvana_step(cfg.nirvana_resume_step, steps), steps - 1)
-
-    class NirvanaReplay(NirvanaPolicy):
-        name = "nirvana-replay"
-
-        def resume_step(self, similarity: float, num_steps: int) -> int | None:
-            return k
-
-    class ChorusReplay(ChorusPolicy):
-        name = "chorus-replay"
-
-        def regions(self, evidence, source_tensors, diff, positions, grid):
-            return [box_for_active_fraction(tuple(grid), cfg.active_fraction, self.cfg.scope)]
-
-    class Chorus2Replay(Chorus2Policy):
-        name = "chorus2-replay"
-
-    made = {"nirvana": lambda: NirvanaReplay(gate=gate),
-            "chorus": lambda: ChorusReplay(gate=gate, config=ChorusConfig(scope=ccfg.scope, window=cfg.window)),
-            "chorus2": lambda: Chorus2Replay(gate=gate, sparse=ccfg.sparse)}
+    made = {"nirvana": lambda: NirvanaPolicy(),
+            "chorus": lambda: ChorusPolicy(config=ChorusConfig(scope=ccfg.scope, window=cfg.window)),
+            "chorus2": lambda: Chorus2Policy(sparse=ccfg.sparse)}
     unknown = set(cfg.baselines) - set(made)
     if unknown:
         raise ValueError(f"unknown baseline(s) {', '.join(sorted(unknown))}; have {', '.join(BASELINES)}")
     return {b: made[b]() for b in cfg.baselines}
 
 
-def _baseline_entry_steps(policy, steps: int) -> list[int]:
+def replay_decision(policy: str, entry_id: str, cfg: "ScaleConfig", steps: int, grid, *, source_prompt: str, target_prompt: str,
+                    source_nouns, target_nouns, source_extra: dict | None = None):
+    """The hit a replay executes, injected instead of the policy's decision (random weights decide nothing meaningful):
+    carnator and chorus recompute a centred box of ``cfg.active_fraction`` Active tokens; NIRVANA resumes at its table's
+    ``cfg.nirvana_resume_step``; Chorus II reuses the entry's masks."""
+    from ..plan import Decision
+    from ..policies.baselines import _nirvana_step
+    from ..policies.chorus import prompt_diff
+    from ..reuse import noun_diff
+
+    box = box_for_active_fraction(tuple(grid), cfg.active_fraction, _carnator_config(cfg).scope)
+    if policy == "carnator":
+        diff = noun_diff(target_nouns, source_nouns)
+        return Decision(reuse=True, source_id=entry_id, reason="replayed", regions=(box,),
+                        details={"substituted": None if diff is None else diff.substituted, "source_nouns": list(source_nouns)})
+    if policy == "nirvana":
+        return Decision(reuse=True, source_id=entry_id, reason="replayed", resume_step=min(_nirvana_step(cfg.nirvana_resume_step, steps), steps - 1))
+    if policy == "chorus":
+        diff = prompt_diff(target_prompt, source_prompt, target_nouns, source_nouns)
+        return Decision(reuse=True, source_id=entry_id, reason="replayed", regions=(box,),
+                        details={"prompt_diff": diff, "source_record": (source_extra or {}).get("chorus")})
+    if policy == "chorus2":
+        return Decision(reuse=True, source_id=entry_id, reason="replayed")
+    raise ValueError(f"no replay for policy {policy!r}")
+
+
+def _baseline_entry_steps(policy, cfg: "ScaleConfig", steps: int) -> list[int]:
     """The trajectory steps a replayed baseline's entry holds: those it resumes from (NIRVANA: ``traj.{k-1}``;
     Chorus: ``traj.{r-1}`` to ``traj.{s-1}``; Chorus II: none)."""
-    from ..policies.baselines import Chorus2Policy, NirvanaPolicy
+    from ..policies.baselines import Chorus2Policy, NirvanaPolicy, _nirvana_step
     from ..policies.chorus import ChorusPolicy
 
     if isinstance(policy, NirvanaPolicy):
-        return [policy.resume_step(1.0, steps) - 1]
+        return [min(_nirvana_step(cfg.nirvana_resume_step, steps), steps - 1) - 1]
     if isinstance(policy, ChorusPolicy):
         r, s = policy.cfg.stages(steps)
         return list(range(r - 1, s))
@@ -518,7 +493,7 @@ class ScaleConfig:
     #: ("dense + cache", the peer) and composed with a carnator hit at the first density. Use a
     #: schedule-driven kind (taylorseer): with random weights a residual-driven one skips arbitrarily.
     intra_cache: str | None = None
-    #: cross-request baselines to time as hits too, each replaying its own plan (see :func:`baseline_replays`)
+    #: cross-request baselines to time as hits too, each replaying its own plan (see :func:`replay_decision`)
     baselines: tuple[str, ...] = ("nirvana", "chorus", "chorus2")
     #: the step (of 50, scaled to ``steps``) NIRVANA's replayed hit resumes at: 25 is its table's most
     #: aggressive row (similarity > 0.95), NIRVANA's best case
@@ -536,7 +511,7 @@ def _carnator_config(cfg: ScaleConfig):
     """The carnator settings of a replayed hit: the plan's resume step and window, and its masks applied wherever
     the run is (``apply="always"``: on CUDA the block-sparse kernel at 128-token blocks, as "auto" would; on a CPU test the masked
     dense path, so the replay is exercised there too)."""
-    from ..attention.controller import SparseConfig
+    from ..attention.state import SparseConfig
     from ..policies.carnator import CarnatorConfig
 
     return CarnatorConfig(resume_step=cfg.resume_step, window=cfg.window, thresholds=None,
@@ -581,7 +556,7 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     from ..cache import CacheBank, StoreSpec
     from ..policies.carnator import EVIDENCE_PREFIX, MASK_PREFIX
     from ..signature import early_signature
-    from ..signature.nouns import extract_nouns
+    from ..policies.carnator import CarnatorPolicy
     from ..testing import hashed_embedder
 
     out.mkdir(parents=True, exist_ok=True)
@@ -601,12 +576,12 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     ccfg = _carnator_config(cfg)
     steps = cfg.steps
     r = max(cfg.resume_step, ccfg.probe_steps)
-    baselines = baseline_replays(cfg, steps)
-    base_steps = {b: _baseline_entry_steps(pol, steps) for b, pol in baselines.items()}
+    baselines = baseline_policies(cfg, steps)
+    base_steps = {b: _baseline_entry_steps(pol, cfg, steps) for b, pol in baselines.items()}
     first = min([r - 1, *(i for st in base_steps.values() for i in st)])
     econf = EngineConfig(capture_steps=list(range(first, steps)), latent_dtype="float16", store_video=False)
     eng = Carnator(pipe, CacheBank(cache_root), config=econf, embedder=hashed_embedder(64))
-    eng.use_policy(ReplayPolicy(active_fraction=cfg.active_fraction, config=ccfg))
+    eng.use_policy(CarnatorPolicy(ccfg))
     for pol in baselines.values():
         eng.use_policy(pol)
     kw = {"num_frames": frames, "height": spec.height, "width": spec.width, "num_inference_steps": steps,
@@ -636,15 +611,22 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     rep["dense"]["e2e_seconds"] = dense_e2e
     progress(f"dense E2E {dense_e2e:.1f}s (DiT {dense.stats.timings['dit']:.1f}s)")
 
-    base = eng.bank.load(dense.stats.entry_id)
-    traj = {k: v for k, v in base.items() if (k.startswith("traj.") and int(k[5:]) >= r - 1) or k == "final"}
+    base = eng.store.load(dense.stats.entry_id)
+    traj = {k: v for k, v in base.items() if k.startswith("traj.") and int(k[5:]) >= r - 1}
     tail_rgb = np.zeros((max(8, spec.height // 8), max(8, spec.width // 8), 3), dtype=np.float32)
     L = eng.adapter.num_layers()
     heads, head_dim = _self_attention_shape(pipe)
-    nouns_src = extract_nouns(PROMPT_SOURCE)
+    nouns_src = eng.nouns(PROMPT_SOURCE)
+    nouns_tgt = eng.nouns(PROMPT_TARGET)
     box = box_for_active_fraction(grid, cfg.active_fraction, ccfg.scope)
     sig = early_signature({n: box for n in nouns_src}, tail_rgb)
     ev = {EVIDENCE_PREFIX + n: torch.from_numpy(box.astype(np.uint8)) for n in nouns_src}
+
+    ev_meta = types.SimpleNamespace(extra={})
+
+    def replay(entry_id: str, policy: str):
+        return replay_decision(policy, entry_id, cfg, steps, grid, source_prompt=PROMPT_SOURCE, target_prompt=PROMPT_TARGET,
+                               source_nouns=nouns_src, target_nouns=nouns_tgt, source_extra=(eng.store.get(entry_id) or ev_meta).extra)
 
     if cuda:  # compile flex for this shape once, outside every measured request
         from ..attention.kernels import masked_attention
@@ -661,18 +643,18 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     for d in cfg.densities:
         masks = synthetic_masks(heads, n_tok, cfg.block, d, steps=range(0, steps, cfg.mask_stride), layers=range(L), seed=2, device=dev)
         if prev is not None:
-            eng.bank.evict([prev])
-        prev = eng.bank.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
+            eng.store.evict([prev])
+        prev = eng.store.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req, "carnator"), prompt=PROMPT_SOURCE, seed=0,
                                         embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps),
                                         tensors={**traj, **masks.to_tensors(MASK_PREFIX), **ev},
                                         extra={"steps": steps, "nouns": nouns_src, "signature": sig.to_dict()}))
-        meta = eng.bank.get(prev)
+        meta = eng.store.get(prev)
         cold = _drop_page_cache()
         t1 = time.perf_counter()
-        eng.bank.load(prev)
+        eng.store.load(prev)
         load_s = time.perf_counter() - t1
         peak_reset()
-        hit = eng.generate(PROMPT_TARGET, seed=0, policy="carnator-replay", store=False, **kw)
+        hit = eng.generate(PROMPT_TARGET, seed=0, policy="carnator", store=False, decision=replay(prev, "carnator"), **kw)
         row = _stage_row(hit, peak())
         row.update({"density_requested": d, "entry_bytes": meta.nbytes, "mask_bytes": masks.nbytes,
                     "entry_load_seconds": load_s, "entry_load_cold": cold, "e2e_seconds": hit.stats.timings["total"],
@@ -686,20 +668,20 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     d0 = cfg.densities[0]
     rows = {}
     if baselines:  # the baselines' gate would recall the dense request's own entry (all its latents, no masks)
-        eng.bank.evict([dense.stats.entry_id])
+        eng.store.evict([dense.stats.entry_id])
     for b, pol in baselines.items():
         tensors = {f"traj.{i}": base[f"traj.{i}"] for i in base_steps[b]}
         if b == "chorus2":
             masks = synthetic_masks(heads, n_tok, cfg.block, d0, steps=range(0, steps, cfg.mask_stride), layers=range(L), seed=2, device=dev)
             tensors.update(masks.to_tensors(MASK_PREFIX))
         if prev is not None:
-            eng.bank.evict([prev])
-        prev = eng.bank.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
+            eng.store.evict([prev])
+        prev = eng.store.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req, b), prompt=PROMPT_SOURCE, seed=0,
                                         embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps), tensors=tensors,
                                         extra={"steps": steps, "nouns": nouns_src}))
-        meta = eng.bank.get(prev)
+        meta = eng.store.get(prev)
         peak_reset()
-        hit = eng.generate(PROMPT_TARGET, seed=0, policy=pol.name, store=False, **kw)
+        hit = eng.generate(PROMPT_TARGET, seed=0, policy=pol.name, store=False, decision=replay(prev, b), **kw)
         row = _stage_row(hit, peak())
         row.update({"policy": b, "entry_bytes": meta.nbytes, "e2e_seconds": hit.stats.timings["total"],
                     "speedup_e2e": dense_e2e / hit.stats.timings["total"], "speedup_dit": dense.stats.timings["dit"] / hit.stats.timings["dit"],
@@ -710,7 +692,7 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     rep["baselines"] = rows
 
     if cfg.intra_cache:
-        rep["composed"] = _composed(cfg, pipe, req, kw, traj_keys=sorted(traj), ev=ev, sig=sig, nouns=nouns_src, dense_e2e=dense_e2e,
+        rep["composed"] = _composed(cfg, pipe, req, kw, traj_keys=sorted(traj), ev=ev, sig=sig, nouns=nouns_src, replay=replay, dense_e2e=dense_e2e,
                                     dense_dit=dense.stats.timings["dit"], heads=heads, n_tok=n_tok, layers=L, cache_root=cache_root,
                                     peak_reset=peak_reset, peak=peak, progress=progress)
 
@@ -729,12 +711,12 @@ def _self_attention_shape(pipe) -> tuple[int, int]:
     return int(c.num_attention_heads), int(c.attention_head_dim)
 
 
-def _composed(cfg, pipe, req, kw, *, traj_keys, ev, sig, nouns, dense_e2e, dense_dit, heads, n_tok, layers, cache_root,
+def _composed(cfg, pipe, req, kw, *, traj_keys, ev, sig, nouns, replay, dense_e2e, dense_dit, heads, n_tok, layers, cache_root,
               peak_reset, peak, progress) -> dict:
     """Dense and a replayed hit with ``cfg.intra_cache`` on (its own engine and cache keys)."""
     from .. import Carnator, EngineConfig
     from ..cache import CacheBank, StoreSpec
-    from ..policies.carnator import MASK_PREFIX
+    from ..policies.carnator import MASK_PREFIX, CarnatorPolicy
     from ..testing import hashed_embedder
 
     steps = cfg.steps
@@ -742,23 +724,23 @@ def _composed(cfg, pipe, req, kw, *, traj_keys, ev, sig, nouns, dense_e2e, dense
     ccfg = _carnator_config(cfg)
     econf = EngineConfig(capture_steps=list(range(r - 1, steps)), latent_dtype="float16", store_video=False, intra_cache=cfg.intra_cache)
     eng = Carnator(pipe, CacheBank(cache_root / "composed"), config=econf, embedder=hashed_embedder(64))
-    eng.use_policy(ReplayPolicy(active_fraction=cfg.active_fraction, config=ccfg))
+    eng.use_policy(CarnatorPolicy(ccfg))
     peak_reset()
     dense = eng.generate(PROMPT_SOURCE, seed=0, policy="dense", store=True, **kw)
     d_row = _stage_row(dense, peak())
     d_row["e2e_seconds"] = dense.stats.timings["total"] - dense.stats.timings.get("store", 0.0)
     d_row["speedup_e2e"] = dense_e2e / d_row["e2e_seconds"]
-    base = eng.bank.load(dense.stats.entry_id)
+    base = eng.store.load(dense.stats.entry_id)
     d0 = cfg.densities[0]
     masks = synthetic_masks(heads, n_tok, cfg.block, d0, steps=range(0, steps, cfg.mask_stride), layers=range(layers), seed=2,
                             device=next(pipe.transformer.parameters()).device)
-    eid = eng.bank.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req), prompt=PROMPT_SOURCE, seed=0,
+    eid = eng.store.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req, "carnator"), prompt=PROMPT_SOURCE, seed=0,
                                    embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(steps),
                                    tensors={**{k: base[k] for k in traj_keys}, **masks.to_tensors(MASK_PREFIX), **ev},
                                    extra={"steps": steps, "nouns": nouns, "signature": sig.to_dict()}))
     assert eid is not None
     peak_reset()
-    hit = eng.generate(PROMPT_TARGET, seed=0, policy="carnator-replay", store=False, **kw)
+    hit = eng.generate(PROMPT_TARGET, seed=0, policy="carnator", store=False, decision=replay(eid, "carnator"), **kw)
     h_row = _stage_row(hit, peak())
     h_row.update({"density_requested": d0, "e2e_seconds": hit.stats.timings["total"], "speedup_e2e": dense_e2e / hit.stats.timings["total"],
                   "speedup_dit": dense_dit / hit.stats.timings["dit"], "intra_cache": hit.stats.notes.get("intra_cache")})

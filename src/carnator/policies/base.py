@@ -1,38 +1,40 @@
-"""Policies turn a request into a :class:`Plan`. They plan; the denoiser executes; the bank stores."""
+"""Policies decide and plan; they never run a step, read the store or touch the model.
+
+A policy declares what it needs from the engine (how many recalled candidates, a :class:`~carnator.plan.ProbeSpec`,
+which words' token positions, a block-mask capture) and implements two pure functions over plain data:
+:meth:`Policy.decide` (``DecisionInputs -> Decision``) and :meth:`Policy.plan` (``Decision -> ReusePlan``). After the
+request ran, :meth:`Policy.entry` says what its cache entry keeps. The engine runs the stages, the denoiser executes
+the plan, the store stores.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from ..denoise import StepHooks
-
-if TYPE_CHECKING:
-    from ..engine import RequestContext
+from ..attention.state import AttentionRecord, SparseConfig
+from ..plan import Decision, DecisionInputs, ProbeSpec, ReusePlan
 
 
-@dataclass
-class Plan:
-    """What the denoiser does for one request after the policy has decided.
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a policy may know of the model it serves (to pick its thresholds file)."""
 
-    ``resume_step`` = first step still to run. With ``init_latents`` set, the loop starts from that
-    latent (a cached request's post-scheduler latent after step ``resume_step - 1``); without it,
-    from the request's own state (its noise, or the latent after a probe).
-    """
+    identity: str
+    family: str
 
-    hit: bool = False
-    source_id: str | None = None
-    resume_step: int | None = None
-    init_latents: torch.Tensor | None = None
-    hooks: StepHooks | None = None
-    active_fraction: float | None = None
-    mask_density: float | None = None
-    entry_extra: dict[str, Any] = field(default_factory=dict)  # what the policy wants stored with the new entry
-    entry_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    notes: dict[str, Any] = field(default_factory=dict)
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """What a request's cache entry keeps beside its trajectory and video: ``tensors`` (masks, regions, responses)
+    and ``extra`` (JSON-able metadata read at recall)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    extra: Mapping[str, Any]
 
 
 class Policy(ABC):
@@ -42,13 +44,50 @@ class Policy(ABC):
     #: whether an identical earlier request's stored video may be returned when that video was itself
     #: produced by reuse (an approximation of the dense result). The dense baseline says no.
     accepts_approximate_exact: ClassVar[bool] = True
+    #: the cache use a request of this policy gets when it names none: "reuse" (exact and approximate hits),
+    #: "exact" (exact hits only) or "off" (generate; still stored unless ``store=False``)
+    default_cache: ClassVar[str] = "reuse"
+    #: whether the policy needs carnator's attention processors (a family without them then generates densely)
+    needs_attention: ClassVar[bool] = False
 
+    def prepare(self, model: ModelInfo) -> None:
+        """Called once when the engine builds the policy: load and check what depends on the model (thresholds).
+        Raises :class:`~carnator.errors.CarnatorError` on a bad setting, before any request."""
+
+    # ---- what the engine runs for the policy -------------------------------------------------------------
+    def recall_k(self) -> int:
+        """How many recalled candidates :meth:`decide` sees (0: no recall)."""
+        return 0
+
+    def probe_spec(self) -> ProbeSpec | None:
+        """The dense probe this policy reads (None: no probe)."""
+        return None
+
+    def sparse_config(self) -> SparseConfig | None:
+        """The block-mask capture this policy records (and may apply) where a block-sparse kernel makes it pay."""
+        return None
+
+    def words(self, prompt: str, nouns: tuple[str, ...]) -> tuple[str, ...]:
+        """Words whose text-token positions :meth:`decide` and :meth:`plan` need (``DecisionInputs.word_positions``)."""
+        return ()
+
+    def prefetch(self, inputs: DecisionInputs) -> tuple[str, list[str] | None] | None:
+        """A candidate entry worth reading beside the probe, and which of its tensors (None: all), or None. Called
+        with the candidates before the probe ran (``inputs.signature`` is None)."""
+        return None
+
+    # ---- decide and plan (pure) -------------------------------------------------------------------------
     @abstractmethod
-    def plan(self, ctx: "RequestContext") -> Plan: ...
+    def decide(self, inputs: DecisionInputs) -> Decision: ...
 
-    def entry_tensors(self, ctx: "RequestContext") -> dict[str, torch.Tensor]:
-        """Tensors recorded while the request ran (e.g. attention masks) to store with its entry."""
-        return {}
+    def plan(self, decision: Decision, inputs: DecisionInputs) -> ReusePlan:
+        """The plan for ``decision`` (the default: a miss that captures what :meth:`sparse_config` records)."""
+        return ReusePlan(capture=inputs.sparse)
+
+    # ---- after the run ----------------------------------------------------------------------------------
+    def entry(self, inputs: DecisionInputs, plan: ReusePlan, record: AttentionRecord) -> Entry:
+        """What the request's cache entry keeps beside its trajectory and video."""
+        return Entry({}, {})
 
     def stored_steps(self, num_steps: int) -> set[int]:
         """The post-scheduler latents (``traj.i``) this policy can resume from in a later request: what an
@@ -70,3 +109,8 @@ def policy_names() -> list[str]:
 
 def get_policy_class(name: str) -> type[Policy] | None:
     return _POLICIES.get(name)
+
+
+def captured_masks(record: AttentionRecord, prefix: str) -> dict[str, torch.Tensor]:
+    """The block masks a request captured, as named tensors for its entry."""
+    return {} if record.captured is None else record.captured.to_tensors(prefix)

@@ -10,32 +10,33 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
-import numpy as np
-
-from ..attention.blockmask import BlockMaskSet
-from ..attention.controller import SparseConfig
-from .base import Plan, Policy, register_policy
-
-log = logging.getLogger("carnator")
+from ..attention.state import AttentionRecord, SparseConfig
+from ..plan import Candidate, Decision, DecisionInputs, Phase, ReusePlan
+from .base import Entry, Policy, captured_masks, register_policy
 
 MASK_PREFIX = "attn."
 
 
 @dataclass(frozen=True)
 class TextGate:
-    """The shared text-similarity gate: the nearest entry (cosine of recall embeddings) within the
-    request's tenant and compatibility key, if its similarity is at least ``min_similarity``."""
+    """The shared text-similarity gate: the nearest recalled entry (cosine of recall embeddings; recall keeps the
+    request's tenant and compatibility key), if its similarity is at least ``min_similarity``."""
 
     min_similarity: float = 0.65
 
-    def nearest(self, ctx):
-        hits = ctx.recall(1)
-        if not hits or hits[0][1] < self.min_similarity:
+    def nearest(self, candidates: tuple[Candidate, ...]) -> Candidate | None:
+        if not candidates or candidates[0].similarity < self.min_similarity:
             return None
-        return hits[0]
+        return candidates[0]
+
+    def miss(self, candidates: tuple[Candidate, ...]) -> Decision:
+        if not candidates:
+            return Decision.miss("nothing cached to reuse")
+        c = candidates[0]
+        return Decision.miss(f"the nearest cached request {c.meta.id[:8]} is too far (similarity {c.similarity:.3f} < "
+                             f"{self.min_similarity})", similarity=c.similarity, details={"similarity": c.similarity})
 
 
 NIRVANA_TABLE: tuple[tuple[float, int], ...] = ((0.95, 25), (0.90, 20), (0.85, 15), (0.75, 10), (0.65, 5))
@@ -61,26 +62,27 @@ class NirvanaPolicy(Policy):
     def __init__(self, gate: TextGate | None = None):
         self.gate = gate or TextGate()
 
-    def plan(self, ctx) -> Plan:
-        near = self.gate.nearest(ctx)
-        if near is None:
-            return Plan()
-        meta, sim = near
-        n = ctx.state.num_steps
-        k = self.resume_step(float(sim), n)
-        if k is None or k >= n:
-            return Plan()
-        try:
-            tensors = ctx.bank.load(meta.id, [f"traj.{k - 1}"])
-        except KeyError:  # the entry did not keep that step
-            return Plan()
-        if tensors is None or tuple(tensors[f"traj.{k - 1}"].shape) != tuple(ctx.state.latents.shape):
-            return Plan()
-        return Plan(hit=True, source_id=meta.id, resume_step=k, init_latents=tensors[f"traj.{k - 1}"], notes={"similarity": float(sim)})
+    def recall_k(self) -> int:
+        return 1
 
-    def resume_step(self, similarity: float, num_steps: int) -> int | None:
-        """The step a hit of this ``similarity`` resumes at (:func:`nirvana_resume_step`), None: no hit."""
-        return nirvana_resume_step(similarity, num_steps)
+    def decide(self, inputs: DecisionInputs) -> Decision:
+        near = self.gate.nearest(inputs.candidates)
+        if near is None:
+            return self.gate.miss(inputs.candidates)
+        n = inputs.num_steps
+        k = nirvana_resume_step(near.similarity, n)
+        if k is None or k >= n:
+            return Decision.miss(f"similarity {near.similarity:.3f} picks no resume step inside the {n} steps",
+                                 similarity=near.similarity, details={"similarity": near.similarity})
+        return Decision(reuse=True, source_id=near.meta.id, similarity=near.similarity, resume_step=k,
+                        reason=f"similar to {near.meta.id[:8]} (similarity {near.similarity:.3f}): resumes at step {k}",
+                        details={"similarity": near.similarity})
+
+    def plan(self, decision: Decision, inputs: DecisionInputs) -> ReusePlan:
+        if not decision.reuse:
+            return ReusePlan()
+        k = decision.resume_step
+        return ReusePlan(hit=True, source_id=decision.source_id, resume_step=k, init_latent=f"traj.{k - 1}")
 
     def stored_steps(self, num_steps: int) -> set[int]:
         # The latents after the table's steps (5, 10, 15, 20, 25 of 50, scaled): resuming at k reads traj.{k-1}.
@@ -90,42 +92,37 @@ class NirvanaPolicy(Policy):
 @register_policy
 class Chorus2Policy(Policy):
     name = "chorus2"
+    needs_attention = True
 
     def __init__(self, gate: TextGate | None = None, sparse: SparseConfig | dict | None = None):
         self.gate = gate or TextGate()
         self.sparse = SparseConfig(**sparse) if isinstance(sparse, dict) else (sparse or SparseConfig())
 
-    def plan(self, ctx) -> Plan:
-        ad = ctx.adapter
-        if not ad.supports_attention:
-            return Plan(notes={"fallback": "dense"})
-        ctrl = ad.attention()
-        n_tokens = int(np.prod(ad.token_grid(ctx.request)))
-        sparse = self.sparse.for_tokens(n_tokens)
-        if not sparse.applies(ctx.state.latents.device):  # no block-sparse kernel here: masks would only cost time
-            return Plan(notes={"fallback": "dense", "reason": "masks do not apply (SparseConfig.apply)"})
-        ctrl.sparse = sparse
-        near = self.gate.nearest(ctx)
-        if near is None:
-            return Plan()
-        meta, sim = near
-        tensors = ctx.bank.load(meta.id)
-        if tensors is None:
-            return Plan()
-        try:
-            masks = BlockMaskSet.from_tensors(tensors, MASK_PREFIX)
-        except (KeyError, ValueError):
-            return Plan()
-        if masks.q_len != n_tokens:
-            return Plan()
-        ctrl.use_masks(masks, ctx.state.latents.device)
-        return Plan(hit=True, source_id=meta.id, resume_step=0, mask_density=masks.density, notes={"similarity": float(sim)})
+    def recall_k(self) -> int:
+        return 1
 
-    def entry_tensors(self, ctx):
-        if not ctx.adapter.supports_attention:
-            return {}
-        c = ctx.adapter.attention().captured
-        return c.to_tensors(MASK_PREFIX) if c is not None else {}
+    def sparse_config(self) -> SparseConfig:
+        return self.sparse
+
+    def decide(self, inputs: DecisionInputs) -> Decision:
+        if inputs.sparse is None:  # no block-sparse kernel here: masks would only cost time
+            return Decision.miss("masks do not apply on this device (SparseConfig.apply)",
+                                 details={"fallback": "dense", "reason": "masks do not apply (SparseConfig.apply)"})
+        near = self.gate.nearest(inputs.candidates)
+        if near is None:
+            return self.gate.miss(inputs.candidates)
+        return Decision(reuse=True, source_id=near.meta.id, similarity=near.similarity,
+                        reason=f"reuses the block masks of {near.meta.id[:8]} (similarity {near.similarity:.3f})",
+                        details={"similarity": near.similarity})
+
+    def plan(self, decision: Decision, inputs: DecisionInputs) -> ReusePlan:
+        if not decision.reuse:
+            return ReusePlan(capture=inputs.sparse)
+        return ReusePlan(hit=True, source_id=decision.source_id, resume_step=0, phases=(Phase(0, inputs.num_steps, masks=True),),
+                         mask_prefix=MASK_PREFIX, require_masks=True, capture=inputs.sparse)
+
+    def entry(self, inputs: DecisionInputs, plan: ReusePlan, record: AttentionRecord) -> Entry:
+        return Entry(captured_masks(record, MASK_PREFIX), {})
 
     def stored_steps(self, num_steps: int) -> set[int]:
         return set()  # reuses only the source's masks, never its latents

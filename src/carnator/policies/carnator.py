@@ -1,63 +1,62 @@
 """``carnator``: compatibility-guided cross-request reuse (PAPER steps 1-10).
 
-recall (text index + noun filter) -> dense probe of the first steps, recording attention evidence
--> Evidence Regions + Early Signature -> compatibility test against the recalled entries ->
-ReusePlan: resume from the winner's latent, blend outside the target region, recompute only
-Active tokens in the middle layers, and attend only where the winner's block masks allow.
+The engine recalls the nearest cached requests and runs the dense probe this policy asks for (:meth:`probe_spec`);
+the policy then decides over plain data:
+
+- :meth:`decide`: the noun filter over the recalled candidates, then the compatibility test of the request's Early
+  Signature against each tested candidate's, the first compatible winning (:func:`~carnator.reuse.first_compatible`);
+- :meth:`plan`: resume from the winner's latent at the resume step, blend outside the target region after every step,
+  recompute only Active tokens in the middle layers, attend only where the winner's block masks allow.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..attention.blockmask import BlockMaskSet
-from ..attention.controller import SparseConfig, WindowPlan
-from ..denoise import StepHooks
+from ..attention.state import AttentionRecord, SparseConfig
 from ..errors import CarnatorError
-from ..reuse import CompatConfig, ScopeConfig, Thresholds, compatible, discrepancies, noun_diff, reuse_scope
-from ..signature import EarlySignature, RegionConfig, early_signature, evidence_region, select_seeds
-from ..signature.nouns import extract_nouns
-from .base import Plan, Policy, register_policy
+from ..plan import Decision, DecisionInputs, Phase, ProbeSpec, RegionSpec, ReusePlan
+from ..reuse import CompatConfig, ScopeConfig, Thresholds, explain, first_compatible, noun_diff
+from ..signature import EarlySignature, RegionConfig
+from .base import Entry, ModelInfo, Policy, captured_masks, register_policy
 
 log = logging.getLogger("carnator")
 
 MASK_PREFIX = "attn."
 EVIDENCE_PREFIX = "evidence."
+SHIPPED_THRESHOLDS = Path(__file__).resolve().parent.parent / "embedded" / "thresholds.json"
 
 
 @dataclass
 class CarnatorConfig:
     """Every knob of the method. Paper values are marked; others are chosen defaults (docs/METHOD.md).
 
-    top_k: recalled candidates (paper: 10). probe_steps: dense probe steps (paper: 4).
-    tested: how many of the recalled candidates that pass the noun filter the compatibility test tries, in
-        recall order, the first compatible winning (paper: all; None = all). Thresholds are calibrated on one
+    top_k: recalled candidates (paper: 10).
+    tested: how many of the recalled candidates that pass the noun filter the compatibility test tries, in recall
+        order, the first compatible winning (paper: all; None = all). Default 1: thresholds are certified on one
         (query, cached request) pair at a time, and every further candidate tried is one more chance for an
-        incompatible one to pass them (session 6, docs/RESULTS.md).
+        incompatible one to pass them.
+    probe_steps: dense probe steps (paper: 4).
     probe_layer: layer whose attention is read (paper: not given; None = the middle layer).
     modifiers: each noun's evidence is read from its own tokens plus those of up to this many words modifying it
-        ("big red ball": 2), found by :func:`~carnator.signature.nouns.noun_phrase_spans` (paper: the noun's
-        tokens, 0). Chosen default 1: on the embedded model it reads the objects better (IoU 0.331 vs 0.291, colour
-        57 % vs 46 %; 2 and 3 the same; docs/PROBE.md, session 10), every signature dimension separates calibration
-        pairs better (docs/RESULTS.md, session 10), and the shipped thresholds are calibrated with it (session 11).
-    resume_step: first step taken from the cached trajectory (paper: not given; 30 of 50 chosen by the
-        session-6 sweep on the embedded world, docs/METHOD.md).
-    window: fraction of layers [start, end) where only Active tokens are recomputed (paper: 6..25 of
-        30 layers is the knee, i.e. (0.2, 0.867)).
-    sparse: capture of this request's block masks and reuse of the source's (PAPER step 9); ``sparse.apply``
-        says where ("auto": only where a block-sparse kernel makes them save time).
-    thresholds: a threshold file from ``carnator calibrate``; None = the shipped file for the
-        embedded model if it matches, else the paper's tau.
-    prefetch: read the first recalled candidate's entry from the bank in a background thread while the probe
-        runs, so that a hit on it does not wait for the disk (a miss discards it). Not in the paper; chosen
-        default on (docs/BENCHMARKS.md, session 8).
+        ("big red ball": 2; paper: the noun's tokens, 0). Default 1: on the embedded model it localises objects better
+        and the shipped thresholds are calibrated with it (docs/METHOD.md).
+    resume_step: first step taken from the cached trajectory (paper: not given; default 30 of 50).
+    window: fraction of layers [start, end) where only Active tokens are recomputed (paper: 6..25 of 30 layers,
+        i.e. (0.2, 0.867)).
+    sparse: capture of this request's block masks and reuse of the source's (PAPER step 9); ``sparse.apply`` says
+        where ("auto": only where a block-sparse kernel makes them save time).
+    region: Evidence Region knobs (eps, gamma, seeds, hysteresis; PAPER step 3). scope: Active and Context dilation
+        and the blend ramp (PAPER step 7). compat: discrepancy knobs (PAPER step 5).
+    thresholds: a thresholds file from ``carnator calibrate``; None = the shipped certified file for the embedded
+        model, else the paper's tau (uncertified).
+    prefetch: read the first recalled candidate's entry in a background thread while the probe runs, so a hit on it
+        does not wait for the disk (default on; not in the paper).
     """
 
     top_k: int = 10
@@ -75,10 +74,13 @@ class CarnatorConfig:
     prefetch: bool = True
 
     def __post_init__(self) -> None:
-        if self.modifiers < 0:
-            raise ValueError(f"CarnatorConfig.modifiers must be >= 0, got {self.modifiers}")
+        if not isinstance(self.modifiers, int) or self.modifiers < 0:
+            raise ValueError(f"CarnatorConfig.modifiers must be an integer >= 0, got {self.modifiers!r}")
         if self.tested is not None and self.tested < 1:
             raise ValueError(f"CarnatorConfig.tested must be >= 1 or None (all), got {self.tested}")
+        if self.probe_steps < 1:
+            raise ValueError(f"CarnatorConfig.probe_steps must be >= 1, got {self.probe_steps}")
+        self.window = tuple(self.window)
         # Nested settings may come as plain dicts (EngineConfig.policy_options read from JSON or a CLI).
         for name, klass in (("sparse", SparseConfig), ("region", RegionConfig), ("scope", ScopeConfig), ("compat", CompatConfig)):
             value = getattr(self, name)
@@ -89,198 +91,52 @@ class CarnatorConfig:
 @register_policy
 class CarnatorPolicy(Policy):
     name = "carnator"
+    needs_attention = True
 
     def __init__(self, config: CarnatorConfig | None = None, **overrides):
         self.cfg = config or CarnatorConfig(**overrides)
-        self._tau: Thresholds | None = None
-        self._loader: ThreadPoolExecutor | None = None
+        self.tau: Thresholds = Thresholds()
+        #: whether ``tau`` was certified (``carnator calibrate``) for this model and reading
+        self.certified = False
+        self.thresholds_source = "the paper's thresholds (uncertified)"
+        if self.cfg.thresholds is not None and not Path(self.cfg.thresholds).is_file():
+            raise CarnatorError(f"thresholds file {self.cfg.thresholds} does not exist")
 
-    # ---- thresholds -----------------------------------------------------------------------------
+    # ---- thresholds ---------------------------------------------------------------------------------------
     def reading(self) -> dict:
         """The settings that shape this policy's signatures and so the discrepancies its thresholds apply to; a
-        thresholds file records them (``Thresholds.save(reading=...)``) and loads only for a policy that reads alike."""
+        thresholds file records them and loads only for a policy that reads alike."""
+        return self.probe_spec().reading()
+
+    def prepare(self, model: ModelInfo) -> None:
+        """Load the thresholds: the configured file (refused for another model or reading), else the shipped file for
+        the embedded model, else the paper's."""
+        path = self.cfg.thresholds
+        if path is not None:
+            self._load(path, model)
+            return
+        if model.family == "embedded" and SHIPPED_THRESHOLDS.exists():
+            try:
+                self._load(SHIPPED_THRESHOLDS, model)
+            except CarnatorError as e:  # the shipped file does not fit this configuration: the paper's values
+                log.warning("%s; using the paper's thresholds (uncertified)", e)
+
+    def _load(self, path, model: ModelInfo) -> None:
+        self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading())
+        meta = Thresholds.file_meta(path)
+        self.certified = bool(meta.get("certified"))
+        self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'})"
+
+    # ---- what the engine runs ----------------------------------------------------------------------------
+    def recall_k(self) -> int:
+        return self.cfg.top_k
+
+    def probe_spec(self) -> ProbeSpec:
         c = self.cfg
-        return {"probe_steps": c.probe_steps, "probe_layer": c.probe_layer, "modifiers": c.modifiers, "region": asdict(c.region)}
+        return ProbeSpec(steps=c.probe_steps, layer=c.probe_layer, modifiers=c.modifiers, region=c.region)
 
-    def thresholds(self, engine) -> Thresholds:
-        if self._tau is None:
-            path = self.cfg.thresholds
-            if path is not None:
-                self._tau = Thresholds.load(path, model_id=engine.model_identity, reading=self.reading())
-                return self._tau
-            shipped = Path(__file__).resolve().parent.parent / "embedded" / "thresholds.json"
-            self._tau = Thresholds()
-            if engine.adapter.family == "embedded" and shipped.exists():
-                try:
-                    self._tau = Thresholds.load(shipped, model_id=engine.model_identity, reading=self.reading())
-                except CarnatorError as e:  # the shipped file does not fit this configuration: the paper's values
-                    log.warning("%s; using the paper's thresholds", e)
-        return self._tau
-
-    # ---- the stages -------------------------------------------------------------------------------
-    def recall(self, ctx, nouns: list[str]):
-        """Top-K by recall embedding within the request's key and tenant, then the noun filter."""
-        hits = ctx.recall(self.cfg.top_k)
-        out = []
-        for meta, score in hits:
-            diff = noun_diff(nouns, meta.extra.get("nouns", []))
-            if diff is not None and "signature" in meta.extra:
-                out.append((meta, score, diff))
-        return out
-
-    def probe(self, ctx, nouns: list[str]):
-        """Run the first steps densely, recording evidence at the last probe step."""
-        ad, req = ctx.adapter, ctx.request
-        ctrl = ad.attention()
-        positions = {n: ad.word_token_positions(req.prompt, n, self.cfg.modifiers) for n in nouns}
-        ctrl.record_positions = sorted({p for ps in positions.values() for p in ps})
-        ctrl.record_step = self.cfg.probe_steps - 1
-        ctrl.record_layer = self.cfg.probe_layer if self.cfg.probe_layer is not None else ad.num_layers() // 2
-        ctx.run_steps(self.cfg.probe_steps)
-        ctrl.record_step = None
-        return positions, ctrl.evidence
-
-    def signature(self, ctx, positions: dict[str, list[int]], ev) -> tuple[EarlySignature, dict[str, np.ndarray]]:
-        ad, req, st = ctx.adapter, ctx.request, ctx.state
-        grid = ad.token_grid(req)
-        regions = {}
-        for noun, pos in positions.items():
-            if not pos or ev is None or ev.cross is None:
-                regions[noun] = np.zeros(grid, dtype=bool)
-                continue
-            cols = [ev.positions.index(p) for p in pos]
-            C = ev.cross[:, :, cols].float().mean(dim=(0, 2)).cpu().numpy()
-            seeds = select_seeds(C, grid, self.cfg.region)
-            reg = evidence_region(C, ev.self_attention_columns, seeds, grid, self.cfg.region)
-            regions[noun] = reg.mask
-        x0 = ad.predicted_x0(st.last_input, st.last_prediction, self.cfg.probe_steps - 1)
-        tail = ad.decode_tail(x0, req)
-        return early_signature(regions, tail), regions
-
-    def decide(self, ctx, sig: EarlySignature, candidates):
-        tau = self.thresholds(ctx.engine)
-        for meta, score, diff in candidates[: self.cfg.tested]:
-            try:
-                sig_j = EarlySignature.from_dict(meta.extra["signature"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            d = discrepancies(sig, sig_j, diff, self.cfg.compat, similarity=score)
-            if compatible(d, tau):
-                return meta, diff, d
-        return None
-
-    # ---- plan ---------------------------------------------------------------------------------------
-    def plan(self, ctx) -> Plan:
-        cfg, ad, req, tm = self.cfg, ctx.adapter, ctx.request, ctx.timings
-        if not ad.supports_attention:
-            if not getattr(self, "_warned", False):
-                log.warning("carnator's attention processors are not yet available for %s: generating densely", ad.family)
-                self._warned = True
-            return Plan(hit=False, notes={"fallback": "dense"})
-        if ctx.state.num_steps <= cfg.probe_steps:  # no step left after the probe: nothing to read or to reuse
-            return Plan(hit=False, notes={"fallback": "dense", "reason": f"{ctx.state.num_steps} steps <= the {cfg.probe_steps}-step probe"})
-        ctrl = ad.attention()
-        sparse = cfg.sparse.for_tokens(int(np.prod(ad.token_grid(req))))
-        ctrl.sparse = sparse if sparse.applies(ctx.state.latents.device) else None
-        nouns = extract_nouns(req.prompt)
-
-        t0 = time.perf_counter()
-        candidates = self.recall(ctx, nouns)
-        tm["recall"] = time.perf_counter() - t0
-        # Read the first candidate's entry beside the probe, unless its text distance alone already fails the test.
-        prefetched = None
-        if candidates and cfg.prefetch and 1.0 - candidates[0][1] <= self.thresholds(ctx.engine).text:
-            prefetched = self._prefetch(ctx, candidates[0][0].id)
-
-        t0 = time.perf_counter()
-        positions, ev = self.probe(ctx, nouns)
-        tm["probe"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        sig, regions = self.signature(ctx, positions, ev)
-        ctrl.evidence = None
-        tm["signature"] = time.perf_counter() - t0
-
-        extra = {"nouns": nouns, "signature": sig.to_dict()}
-        ev_tensors = {EVIDENCE_PREFIX + n: torch.from_numpy(m.astype(np.uint8)) for n, m in regions.items()}
-        t0 = time.perf_counter()
-        won = self.decide(ctx, sig, candidates) if candidates else None
-        tm["decision"] = time.perf_counter() - t0
-        # The request's own signature goes into its stats too: why it hit or missed can be read, and calibration
-        # rows keep it, so that another discrepancy definition can be evaluated without generating again.
-        notes = {"candidates": len(candidates), "signature": extra["signature"]}
-        miss = Plan(hit=False, entry_extra=extra, entry_tensors=ev_tensors, notes=dict(notes))
-        if won is None:
-            return miss
-
-        t0 = time.perf_counter()
-        plan = self._reuse_plan(ctx, won, regions, prefetched)
-        tm["plan"] = time.perf_counter() - t0
-        if plan is None:
-            return miss
-        plan.entry_extra, plan.entry_tensors = extra, ev_tensors
-        plan.notes.update(notes)
-        return plan
-
-    def _prefetch(self, ctx, entry_id: str) -> tuple[str, Future]:
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-prefetch")
-        return entry_id, self._loader.submit(ctx.bank.load, entry_id)
-
-    def _reuse_plan(self, ctx, won, regions, prefetched: tuple[str, Future] | None = None) -> Plan | None:
-        cfg, ad, req, st = self.cfg, ctx.adapter, ctx.request, ctx.state
-        meta, diff, d = won
-        r = self.resume_at()
-        n = st.num_steps
-        if r >= n:
-            return None
-        if prefetched is not None and prefetched[0] == meta.id:
-            tensors = prefetched[1].result()  # the bank's own errors surface here as they would from load()
-        else:
-            tensors = ctx.bank.load(meta.id)
-        grid = ad.token_grid(req)
-        need = [f"traj.{i}" for i in range(r - 1, n)]
-        if tensors is None or any(k not in tensors for k in need):
-            log.info("entry %s lacks the trajectory for resume step %d: miss", meta.id, r)
-            return None
-        traj = {i: tensors[f"traj.{i}"] for i in range(r - 1, n)}
-        if tuple(traj[r - 1].shape) != tuple(st.latents.shape):
-            return None
-        # Target region: the query's region of the substituted noun and the source's region of its
-        # noun (so the old object is recomputed, not kept as a ghost); with no substitution, every noun's.
-        src_regions = {k[len(EVIDENCE_PREFIX):]: v.bool().numpy() for k, v in tensors.items() if k.startswith(EVIDENCE_PREFIX)}
-        if diff.substituted is not None:
-            oq, oj = diff.substituted
-            ev = [regions.get(oq), src_regions.get(oj)]
-        else:
-            ev = list(regions.values()) + list(src_regions.values())
-        ev = [m for m in ev if m is not None and m.shape == tuple(grid)]
-        if not ev:
-            return None
-        scope = reuse_scope(ev, cfg.scope)
-        W = ad.latent_weight(scope.weight, st.latents)
-        dev = st.latents.device
-
-        def after_step(i: int, state) -> torch.Tensor:
-            z_c = traj[i].to(dev, state.latents.dtype)
-            return W * state.latents + (1 - W) * z_c
-
-        ctrl = ad.attention()
-        ctrl.window = WindowPlan.over(cfg.window, ad.num_layers(), scope.active, scope.context)
-        density = None
-        if ctrl.sparse is not None:  # masks apply here (SparseConfig.apply)
-            try:
-                masks = BlockMaskSet.from_tensors(tensors, MASK_PREFIX)
-                if masks.q_len == int(np.prod(grid)):
-                    ctrl.use_masks(masks, dev)
-                    density = masks.density
-            except (KeyError, ValueError):
-                ctrl.use_masks(None)
-        return Plan(
-            hit=True, source_id=meta.id, resume_step=r, init_latents=traj[r - 1], hooks=StepHooks(after_step=after_step),
-            active_fraction=float(scope.active.mean()), mask_density=density,
-            notes={"discrepancies": {k: (None if v is None else float(v)) for k, v in vars(d).items()}},
-        )
+    def sparse_config(self) -> SparseConfig:
+        return self.cfg.sparse
 
     def resume_at(self) -> int:
         """The step a reuse resumes at: the resume step, never inside the probe."""
@@ -290,8 +146,95 @@ class CarnatorPolicy(Policy):
         # A reuse resumes at r and blends with the source's latents after every later step: traj.{r-1} .. traj.{n-1}.
         return set(range(self.resume_at() - 1, num_steps))
 
-    def entry_tensors(self, ctx) -> dict[str, torch.Tensor]:
-        if not ctx.adapter.supports_attention:
-            return {}
-        ctrl = ctx.adapter.attention()
-        return ctrl.captured.to_tensors(MASK_PREFIX) if ctrl.captured is not None else {}
+    def candidates(self, inputs: DecisionInputs):
+        """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature, with their noun
+        diffs, in recall order."""
+        out = []
+        for c in inputs.candidates:
+            diff = noun_diff(inputs.nouns, c.meta.extra.get("nouns", []))
+            if diff is not None and "signature" in c.meta.extra:
+                out.append((c, diff))
+        return out
+
+    def prefetch(self, inputs: DecisionInputs):
+        cands = self.candidates(inputs)
+        if not cands or not self.cfg.prefetch or 1.0 - cands[0][0].similarity > self.tau.text:
+            return None  # its text distance alone already fails the test
+        c = cands[0][0]
+        r, n = self.resume_at(), inputs.num_steps
+        names = [f"traj.{i}" for i in range(r - 1, n)] + [EVIDENCE_PREFIX + w for w in c.meta.extra.get("nouns", [])]
+        if inputs.sparse is not None:
+            names += [k for k in getattr(c.meta, "tensor_names", ()) if k.startswith(MASK_PREFIX)]
+        return c.meta.id, names
+
+    # ---- decide and plan ---------------------------------------------------------------------------------
+    def decide(self, inputs: DecisionInputs) -> Decision:
+        sig = inputs.signature
+        if sig is None:
+            return Decision.miss("no probe signature")
+        cands = self.candidates(inputs)
+        notes = {"candidates": len(cands), "signature": sig.to_dict()}
+        if not cands:
+            why = "no cached request passes the noun filter" if inputs.candidates else "nothing cached to reuse"
+            return Decision.miss(why, details=notes)
+        if self.resume_at() >= inputs.num_steps:
+            return Decision.miss(f"the resume step {self.resume_at()} is not inside the {inputs.num_steps} steps", details=notes)
+        tested = []
+        for c, diff in cands[: self.cfg.tested]:
+            try:
+                tested.append((c, diff, EarlySignature.from_dict(c.meta.extra["signature"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+        won = first_compatible(sig, [(s, diff, c.similarity) for c, diff, s in tested], self.tau, self.cfg.compat)
+        results = won.tested
+        notes["tested"] = [{"id": c.meta.id, "similarity": c.similarity, "discrepancies": d.to_dict(),
+                            "risk": None if self.tau.risk is None else self.tau.risk.risk(d)}
+                           for (c, _, _), d in zip(tested, results)]
+        if won.index is None:
+            if not tested:
+                return Decision.miss("no tested candidate carries a readable signature", details=notes)
+            c, _, _ = tested[0]
+            return Decision.miss(f"{c.meta.id[:8]} fails the compatibility test: {explain(results[0], self.tau)}", details=notes,
+                                 similarity=c.similarity, discrepancies=results[0])
+        c, diff, _ = tested[won.index]
+        d = results[won.index]
+        notes["discrepancies"] = {k: (None if v is None else float(v)) for k, v in vars(d).items()}
+        return Decision(
+            reuse=True, source_id=c.meta.id, similarity=c.similarity, discrepancies=d, certified=self.certified,
+            reason=f"compatible with {c.meta.id[:8]}: {explain(d, self.tau)}",
+            details={**notes, "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
+        )
+
+    def plan(self, decision: Decision, inputs: DecisionInputs) -> ReusePlan:
+        if not decision.reuse:
+            return ReusePlan(capture=inputs.sparse)
+        cfg, n = self.cfg, inputs.num_steps
+        r = decision.resume_step or self.resume_at()
+        # Target region: the query's region of the substituted noun and the source's region of its noun (so the old
+        # object is recomputed, not kept as a ghost); with no substitution, every noun's.
+        sub = decision.details.get("substituted")
+        source_nouns = decision.details.get("source_nouns", [])
+        if sub is not None:
+            oq, oj = sub
+            masks = [inputs.regions.get(oq)]
+            source = [EVIDENCE_PREFIX + oj]
+        else:
+            masks = list(inputs.regions.values())
+            source = [EVIDENCE_PREFIX + w for w in source_nouns]
+        if decision.regions is not None:  # an injected decision's own target (a replay)
+            masks = list(decision.regions) if sub is None else [decision.regions[0]]
+        region = RegionSpec(scope=cfg.scope, masks=tuple(m for m in masks if m is not None), source_masks=tuple(source))
+        masks_apply = inputs.sparse is not None
+        return ReusePlan(
+            hit=True, source_id=decision.source_id, resume_step=r, init_latent=f"traj.{r - 1}",
+            phases=(Phase(r, n, blend=True, window=True, masks=masks_apply),), region=region, window_layers=cfg.window,
+            mask_prefix=MASK_PREFIX if masks_apply else None, capture=inputs.sparse,
+        )
+
+    # ---- the entry --------------------------------------------------------------------------------------
+    def entry(self, inputs: DecisionInputs, plan: ReusePlan, record: AttentionRecord) -> Entry:
+        if inputs.signature is None:
+            return Entry(captured_masks(record, MASK_PREFIX), {})
+        tensors = {EVIDENCE_PREFIX + w: torch.from_numpy(m.astype(np.uint8)) for w, m in inputs.regions.items()}
+        tensors.update(captured_masks(record, MASK_PREFIX))
+        return Entry(tensors, {"nouns": list(inputs.nouns), "signature": inputs.signature.to_dict()})

@@ -60,31 +60,27 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-import numpy as np
 import torch
 
-from ..attention.controller import Amplification, WindowPlan
-from ..denoise import StepHooks
-from ..reuse import ScopeConfig, reuse_scope
-from ..signature import RegionConfig, hysteresis, normalize_noun
-from ..signature.nouns import _ADJ, extract_nouns
-from ..world.captions import COLOR_WORDS, SIZE_WORDS
-from .base import Plan, Policy, register_policy
+from ..attention.state import Amplification, AttentionRecord
+from ..plan import Decision, DecisionInputs, Phase, RecordedRegions, RegionSpec, ReusePlan
+from ..reuse import ScopeConfig
+from ..signature import RegionConfig, normalize_noun
+from ..signature.nouns import _ADJ
+from .base import Entry, Policy, register_policy
 from .baselines import TextGate
 
 log = logging.getLogger("carnator")
 
 XATTN_PREFIX = "chorus.xattn."
 
-#: Words that count as attributes when they directly precede a noun (colour, size and other adjectives).
-ATTRIBUTE_WORDS: frozenset[str] = frozenset(
-    _ADJ | {w for ws in COLOR_WORDS.values() for w in ws} | {w for ws in SIZE_WORDS.values() for w in ws}
-)
+#: Words that count as attributes when they directly precede a noun (colour, size and other adjectives; the
+#: embedded model's colour and size words are all among them).
+ATTRIBUTE_WORDS: frozenset[str] = frozenset(_ADJ)
 
 _WORD = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)?")
 
@@ -92,15 +88,15 @@ _WORD = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)?")
 # ---- the prompt diff ---------------------------------------------------------------------------------
 
 
-def prompt_nouns(prompt: str) -> list[str]:
-    """Canonical nouns of ``prompt``, in order of appearance, duplicates merged."""
-    return [n for n in dict.fromkeys(normalize_noun(n) for n in extract_nouns(prompt)) if n]
+def canonical_nouns(nouns: Iterable[str]) -> list[str]:
+    """Canonical nouns (:func:`normalize_noun`), in order, duplicates merged."""
+    return [n for n in dict.fromkeys(normalize_noun(n) for n in nouns) if n]
 
 
-def attributes(prompt: str, nouns: Iterable[str] | None = None) -> dict[str, set[str]]:
+def attributes(prompt: str, nouns: Iterable[str]) -> dict[str, set[str]]:
     """noun -> its attribute words: the run of :data:`ATTRIBUTE_WORDS` directly before each occurrence
-    of the noun ("a big blue box" -> box: {big, blue}). ``nouns`` defaults to :func:`prompt_nouns`."""
-    ns = list(dict.fromkeys(prompt_nouns(prompt) if nouns is None else nouns))
+    of the noun ("a big blue box" -> box: {big, blue}); ``nouns`` canonical."""
+    ns = list(dict.fromkeys(nouns))
     out: dict[str, set[str]] = {n: set() for n in ns}
     words = _WORD.findall(prompt.lower())
     for i, w in enumerate(words):
@@ -113,9 +109,10 @@ def attributes(prompt: str, nouns: Iterable[str] | None = None) -> dict[str, set
     return out
 
 
-def prompt_words(prompt: str) -> list[str]:
-    """Every noun of ``prompt`` and its attribute words (attributes first), in order, duplicates merged."""
-    attrs = attributes(prompt)
+def prompt_words(prompt: str, nouns: Iterable[str]) -> list[str]:
+    """Every noun of ``prompt`` (``nouns``, from the engine's noun extractor) and its attribute words (attributes
+    first), in order, duplicates merged."""
+    attrs = attributes(prompt, canonical_nouns(nouns))
     return list(dict.fromkeys(w for n, a in attrs.items() for w in [*sorted(a), n]))
 
 
@@ -160,9 +157,10 @@ class PromptDiff:
         return {"target": self.target_tokens, "source": self.source_tokens}
 
 
-def prompt_diff(target: str, source: str) -> PromptDiff:
-    """The noun-and-attribute diff of ``target`` against ``source`` (Chorus's prompt diff, lexical)."""
-    nt, ns = prompt_nouns(target), prompt_nouns(source)
+def prompt_diff(target: str, source: str, target_nouns: Iterable[str], source_nouns: Iterable[str]) -> PromptDiff:
+    """The noun-and-attribute diff of ``target`` against ``source`` (Chorus's prompt diff, lexical), given each
+    prompt's nouns."""
+    nt, ns = canonical_nouns(target_nouns), canonical_nouns(source_nouns)
     at, as_ = attributes(target, nt), attributes(source, ns)
     added = tuple(n for n in nt if n not in as_)
     removed = tuple(n for n in ns if n not in at)
@@ -174,23 +172,7 @@ def prompt_diff(target: str, source: str) -> PromptDiff:
     return PromptDiff(added, removed, attr_diff(at, as_, removed), attr_diff(as_, at, added))
 
 
-# ---- regions -------------------------------------------------------------------------------------------
-
-
-def cross_attention_region(
-    response: Any, grid: tuple[int, int, int], high: float = 0.5, low: float = 0.25, connectivity: Literal["volume", "frame"] = "volume"
-) -> np.ndarray:
-    """Boolean ``(T, H, W)`` region of one word from its cross-attention response ``(N,)``: min-max
-    normalised, then hysteresis (tokens above ``high`` seed, regions grow through tokens above
-    ``low``). A constant response localises nothing (empty region)."""
-    c = torch.as_tensor(response).detach().float().cpu().numpy().reshape(grid)
-    lo, hi = float(c.min()), float(c.max())
-    if not np.isfinite(c).all() or hi - lo <= 1e-12 * max(1.0, abs(hi)):
-        return np.zeros(grid, dtype=bool)
-    return hysteresis((c - lo) / (hi - lo), RegionConfig(high=high, low=low, connectivity=connectivity))
-
-
-def _response(ev, positions: list[int]) -> torch.Tensor | None:
+def _response(ev, positions) -> torch.Tensor | None:
     """A word's cross-attention response (N,): mean over heads and its token positions."""
     if ev is None or ev.cross is None:
         return None
@@ -243,11 +225,17 @@ class ChorusConfig:
 @register_policy
 class ChorusPolicy(Policy):
     name = "chorus"
+    needs_attention = True
 
     def __init__(self, gate: TextGate | None = None, config: ChorusConfig | None = None, **overrides):
         self.gate = gate or TextGate()
         self.cfg = config or ChorusConfig(**overrides)
-        self._warned = False
+
+    def recall_k(self) -> int:
+        return 1
+
+    def words(self, prompt: str, nouns: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(prompt_words(prompt, nouns))
 
     def stored_steps(self, num_steps: int) -> set[int]:
         # Stage 2 resumes at r and blends with the source until s; with no regional difference the
@@ -255,115 +243,67 @@ class ChorusPolicy(Policy):
         r, s = self.cfg.stages(num_steps)
         return (set(range(r - 1, s)) | {min(s, num_steps - 1) - 1}) & set(range(num_steps))
 
-    def plan(self, ctx) -> Plan:
-        ad = ctx.adapter
-        if not ad.supports_attention:
-            if not self._warned:
-                log.warning("chorus needs attention processors, not yet available for %s: generating densely", ad.family)
-                self._warned = True
-            return Plan(notes={"fallback": "dense"})
-        cfg, req, st, tm = self.cfg, ctx.request, ctx.state, ctx.timings
-        ctrl = ad.attention()
-        n = st.num_steps
+    def _record(self, inputs: DecisionInputs) -> tuple[int, int] | None:
+        """(step, layer) at which every request records its words' cross-attention."""
+        r, _ = self.cfg.stages(inputs.num_steps)
+        layer = self.cfg.record_layer if self.cfg.record_layer is not None else inputs.num_layers // 2
+        return r, layer
+
+    def decide(self, inputs: DecisionInputs) -> Decision:
+        n = inputs.num_steps
+        r, s = self.cfg.stages(n)
+        near = self.gate.nearest(inputs.candidates)
+        if near is None:
+            return self.gate.miss(inputs.candidates)
+        if r >= n:
+            return Decision.miss(f"stage 2 would start at step {r} of {n}")
+        meta = near.meta
+        diff = prompt_diff(inputs.request.prompt, meta.prompt, inputs.nouns, meta.extra.get("nouns") or ())
+        notes = {"similarity": near.similarity, "diff": diff.to_dict(), "stages": [r, s]}
+        if not diff.empty and s > r:
+            notes["amplified_tokens"] = len({p for w in diff.target_tokens for p in inputs.word_positions.get(w, ())})
+        what = "no regional difference" if diff.empty else f"recomputes {', '.join(diff.target_tokens + diff.source_tokens)}"
+        return Decision(reuse=True, source_id=meta.id, similarity=near.similarity,
+                        reason=f"similar to {meta.id[:8]} (similarity {near.similarity:.3f}): {what}",
+                        details={**notes, "prompt_diff": diff, "source_record": meta.extra.get("chorus")})
+
+    def plan(self, decision: Decision, inputs: DecisionInputs) -> ReusePlan:
+        cfg, n = self.cfg, inputs.num_steps
         r, s = cfg.stages(n)
-        layer = cfg.record_layer if cfg.record_layer is not None else ad.num_layers() // 2
-        # Record this request's cross-attention to its nouns and attributes at step r: a hit reads its
-        # regions from it; every entry stores it for later targets (the source side of their diff).
-        positions = {w: ad.word_token_positions(req.prompt, w) for w in prompt_words(req.prompt)}
-        ctrl.record_positions = sorted({p for ps in positions.values() for p in ps})
-        ctrl.record_step = r if ctrl.record_positions else None
-        ctrl.record_layer = layer
-        extra = {"chorus": {"record_step": r, "record_layer": layer}}
+        step, layer = self._record(inputs)
+        positions = inputs.word_positions
+        all_pos = tuple(sorted({p for ps in positions.values() for p in ps}))
+        record = (step, layer, all_pos) if all_pos else None
+        if not decision.reuse:
+            return ReusePlan(record=record)
+        diff: PromptDiff = decision.details["prompt_diff"]
+        if diff.empty or s <= r:  # nothing to recompute locally: straight to stage 3
+            start = min(s, n - 1)
+            return ReusePlan(hit=True, source_id=decision.source_id, resume_step=start, init_latent=f"traj.{start - 1}", record=record)
+        amp = Amplification(tuple(sorted({p for w in diff.target_tokens for p in positions.get(w, ())})), cfg.tgaa_scale)
+        if decision.regions is not None:  # an injected decision's own target (a replay)
+            region = RegionSpec(scope=cfg.scope, masks=tuple(decision.regions), everywhere_if_empty=True)
+        else:
+            src_ok = decision.details.get("source_record") == {"record_step": step, "record_layer": layer}
+            recorded = RecordedRegions(
+                positions=tuple(tuple(positions.get(w, ())) for w in diff.target_region_words),
+                source_responses=tuple(XATTN_PREFIX + w for w in diff.source_region_words) if src_ok else (),
+                high=cfg.region_high, low=cfg.region_low, connectivity=cfg.connectivity)
+            region = RegionSpec(scope=cfg.scope, recorded=recorded, everywhere_if_empty=True)
+        # Stage 2's first step runs in full (it records the regions), then only Active tokens in the window; stage 3 in full.
+        phases = (Phase(r, r + 1, blend=True, amplify=amp), Phase(r + 1, s, blend=True, window=True, amplify=amp), Phase(s, n))
+        return ReusePlan(hit=True, source_id=decision.source_id, resume_step=r, init_latent=f"traj.{r - 1}", phases=phases,
+                         region=region, window_layers=cfg.window, record=record)
 
-        t0 = time.perf_counter()
-        near = self.gate.nearest(ctx)
-        tm["recall"] = time.perf_counter() - t0
-        if near is None or r >= n:
-            return Plan(entry_extra=extra)
-        meta, sim = near
-        diff = prompt_diff(req.prompt, meta.prompt)
-        notes: dict[str, Any] = {"similarity": float(sim), "diff": diff.to_dict(), "stages": [r, s]}
-        miss = Plan(entry_extra=extra, notes=notes)
-        stage2 = not diff.empty and s > r
-        start = r if stage2 else min(s, n - 1)
-        tensors = ctx.bank.load(meta.id)
-        need = [f"traj.{i}" for i in range(start - 1, s if stage2 else start)]
-        if tensors is None or any(k not in tensors for k in need):
-            return miss
-        traj = {int(k[5:]): tensors[k] for k in need}
-        if tuple(traj[start - 1].shape) != tuple(st.latents.shape):
-            return miss
-        if not stage2:  # nothing to recompute locally: straight to stage 3
-            return Plan(hit=True, source_id=meta.id, resume_step=start, init_latents=traj[start - 1], entry_extra=extra, notes=notes)
-
-        # Stage 2, first step: resume from the source, run in full (it records the regions), blend.
-        t0 = time.perf_counter()
-        dev = st.latents.device
-        st.latents = traj[r - 1].to(dev, st.latents.dtype)
-        st.next_step = r
-        ad.seek(r)
-        amp_pos = sorted({p for w in diff.target_tokens for p in positions.get(w, [])})
-        ctrl.amplify = Amplification(amp_pos, cfg.tgaa_scale, range(r, s))
-        grid = tuple(ad.token_grid(req))
-        src_ok = meta.extra.get("chorus") == extra["chorus"]
-        scope_box: dict[str, Any] = {}
-
-        def region_and_blend(i: int, state) -> torch.Tensor:
-            masks = self.regions(ctrl.evidence, tensors if src_ok else {}, diff, positions, grid)
-            localized = any(m.any() for m in masks)
-            scope = reuse_scope(masks if localized else [np.ones(grid, dtype=bool)], cfg.scope)
-            scope_box.update(scope=scope, localized=localized)
-            w_lat = ad.latent_weight(scope.weight, state.latents)
-            scope_box["W"] = w_lat
-            return w_lat * state.latents + (1 - w_lat) * traj[i].to(dev, state.latents.dtype)
-
-        ctx.run_steps(r + 1, hooks=StepHooks(after_step=region_and_blend))
-        ctrl.record_step = None
-        scope, W = scope_box["scope"], scope_box["W"]
-        ctrl.window = WindowPlan.over(cfg.window, ad.num_layers(), scope.active, scope.context)
-        tm["region"] = time.perf_counter() - t0
-
-        def before_predict(i: int, state) -> None:
-            if i >= s:
-                ctrl.window = None  # stage 3: every token, every layer
-
-        def after_step(i: int, state) -> torch.Tensor | None:
-            if i >= s:
-                return None
-            return W * state.latents + (1 - W) * traj[i].to(dev, state.latents.dtype)
-
-        notes.update(localized=bool(scope_box["localized"]), amplified_tokens=len(amp_pos))
-        return Plan(
-            hit=True, source_id=meta.id, resume_step=r, hooks=StepHooks(before_predict=before_predict, after_step=after_step),
-            active_fraction=scope.active_fraction, entry_extra=extra, notes=notes,
-        )
-
-    def regions(self, evidence, source_tensors, diff: PromptDiff, positions: dict[str, list[int]], grid) -> list[np.ndarray]:
-        """The stage-2 regions, bool ``grid`` each: the differing words' cross-attention regions, the target's from
-        ``evidence`` (recorded at step r of this request), the source's from its stored ``chorus.xattn.<word>``."""
-        cfg, masks = self.cfg, []
-        for w in diff.target_region_words:
-            resp = _response(evidence, positions.get(w, []))
-            if resp is not None:
-                masks.append(cross_attention_region(resp, grid, cfg.region_high, cfg.region_low, cfg.connectivity))
-        for w in diff.source_region_words:
-            resp = source_tensors.get(XATTN_PREFIX + w)
-            if resp is not None and resp.numel() == int(np.prod(grid)):
-                masks.append(cross_attention_region(resp, grid, cfg.region_high, cfg.region_low, cfg.connectivity))
-        return masks
-
-    def entry_tensors(self, ctx) -> dict[str, torch.Tensor]:
-        """This request's cross-attention response per noun and attribute at step r (float32, (N,))."""
-        ad = ctx.adapter
-        if not ad.supports_attention:
-            return {}
-        ctrl = ad.attention()
-        ev, ctrl.evidence = ctrl.evidence, None  # read once; do not hold the recorded Q/K until the next request
-        if ev is None or ev.cross is None:
-            return {}
-        out = {}
-        for w in prompt_words(ctx.request.prompt):
-            resp = _response(ev, ad.word_token_positions(ctx.request.prompt, w))
-            if resp is not None:
-                out[XATTN_PREFIX + w] = resp.to("cpu", torch.float32)
-        return out
+    def entry(self, inputs: DecisionInputs, plan: ReusePlan, record: AttentionRecord) -> Entry:
+        """This request's cross-attention response per noun and attribute at step r (float32, (N,)), and the nouns."""
+        step, layer = self._record(inputs)
+        extra = {"chorus": {"record_step": step, "record_layer": layer}}
+        ev = record.evidence.get(step)
+        tensors = {}
+        if ev is not None and ev.cross is not None:
+            for w, pos in inputs.word_positions.items():
+                resp = _response(ev, pos)
+                if resp is not None:
+                    tensors[XATTN_PREFIX + w] = resp.to("cpu", torch.float32)
+        return Entry(tensors, extra)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from .base import Plan, Policy, register_policy
+from ..plan import Decision, DecisionInputs
+from .base import Policy, register_policy
 
 
 @register_policy
 class DensePolicy(Policy):
     name = "dense"
     accepts_approximate_exact = False  # dense means dense: never serve a reused (approximate) video
+    default_cache = "off"  # a dense request runs densely unless it asks for exact hits (cache="exact")
 
-    def plan(self, ctx) -> Plan:
-        return Plan(hit=False)
+    def decide(self, inputs: DecisionInputs) -> Decision:
+        return Decision.miss("dense: every step computed")

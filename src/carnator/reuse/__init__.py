@@ -16,18 +16,20 @@ from .calibrate import (
 from .compat import (
     THRESHOLDS_FORMAT_VERSION,
     CompatConfig,
+    CompatResult,
     Discrepancies,
     NounDiff,
     RiskScore,
     Thresholds,
     compatible,
     discrepancies,
+    explain,
     first_compatible,
     noun_diff,
     risk_features,
     shape_distance,
 )
-from .regions import ReuseScope, ScopeConfig, blend_weight, reuse_scope, smoothstep, upsample_tokens
+from .regions import ReuseScope, ScopeConfig, blend_weight, cross_attention_region, reuse_scope, smoothstep, upsample_tokens
 
 __all__ = [
     "THRESHOLDS_FORMAT_VERSION",
@@ -35,6 +37,7 @@ __all__ = [
     "CalibrationPair",
     "CalibrationResult",
     "CompatConfig",
+    "CompatResult",
     "Discrepancies",
     "NounDiff",
     "ReuseScope",
@@ -45,8 +48,10 @@ __all__ = [
     "calibrate",
     "clopper_pearson_upper",
     "compatible",
+    "cross_attention_region",
     "discrepancies",
     "evaluate",
+    "explain",
     "first_compatible",
     "fit_logistic",
     "noun_diff",

@@ -42,6 +42,8 @@ __all__ = [
     "Thresholds",
     "compatible",
     "discrepancies",
+    "CompatResult",
+    "explain",
     "first_compatible",
     "noun_diff",
     "shape_distance",
@@ -372,6 +374,16 @@ class Thresholds:
         tmp.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
         os.replace(tmp, p)
 
+    @staticmethod
+    def file_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The ``meta`` a thresholds file records (calibration summary, ``certified``, ...); {} if it has none."""
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return {}
+        meta = doc.get("meta") if isinstance(doc, dict) else None
+        return meta if isinstance(meta, dict) else {}
+
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, model_id: str, reading: Mapping[str, Any] | None = None) -> Thresholds:
         """Read thresholds written by :meth:`save`.
@@ -431,18 +443,52 @@ def compatible(d: Discrepancies, tau: Thresholds) -> bool:
     return tau.risk is None or tau.risk.accepts(d)
 
 
+@dataclass(frozen=True)
+class CompatResult:
+    """What :func:`first_compatible` found: the winner's ``index`` (None: a miss) and the discrepancies of every
+    candidate tested, in order, up to and including the winner."""
+
+    index: int | None
+    tested: tuple[Discrepancies, ...] = ()
+
+
 def first_compatible(
     sig_q: EarlySignature,
-    candidates: Iterable[tuple[EarlySignature, NounDiff]],
+    candidates: Iterable[tuple[EarlySignature, NounDiff] | tuple[EarlySignature, NounDiff, float | None]],
     tau: Thresholds,
     cfg: CompatConfig = CompatConfig(),
-) -> tuple[int, Discrepancies] | None:
-    """The first compatible candidate in the given (recall) order.
+) -> CompatResult:
+    """The first compatible candidate in the given (recall) order (PAPER step 5); the carnator policy's decision.
 
-    Returns ``(index, discrepancies)`` of the winner, or ``None`` (a miss: generate densely).
+    Each candidate is ``(signature, noun diff[, recall similarity])``; without a similarity ``d_text`` is unmeasured.
     """
-    for i, (sig_j, diff) in enumerate(candidates):
-        d = discrepancies(sig_q, sig_j, diff, cfg)
+    tested = []
+    for i, cand in enumerate(candidates):
+        sig_j, diff, *rest = cand
+        d = discrepancies(sig_q, sig_j, diff, cfg, similarity=rest[0] if rest else None)
+        tested.append(d)
         if compatible(d, tau):
-            return i, d
-    return None
+            return CompatResult(i, tuple(tested))
+    return CompatResult(None, tuple(tested))
+
+
+def explain(d: Discrepancies, tau: Thresholds) -> str:
+    """One line: each measured discrepancy against its threshold, failing ones first, and the risk rule if any
+    (``"shape 0.62 > 0.41, context 1.20 <= 1.62"``)."""
+
+    def num(v: float) -> str:
+        return "inf" if math.isinf(v) else f"{v:.2f}"
+
+    parts = []
+    for k in DIMENSIONS:
+        v, t = getattr(d, k), getattr(tau, k)
+        if v is None:
+            continue
+        ok = v <= t
+        parts.append((ok, f"{k} {num(v)}" if math.isinf(t) else f"{k} {num(v)} {'<=' if ok else '>'} {num(t)}"))
+    if tau.risk is not None:
+        r = tau.risk.risk(d)
+        ok = tau.risk.accepts(d)
+        parts.insert(0, (ok, f"risk {r:.3f} {'<=' if ok else '>'} {tau.risk.threshold:.3f}"))
+    parts.sort(key=lambda p: p[0])  # failing first (stable)
+    return ", ".join(t for _, t in parts) or "no discrepancy measured"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from scipy.ndimage import binary_dilation, distance_transform_cdt
@@ -162,3 +162,20 @@ def upsample_tokens(x: np.ndarray, patch: tuple[int, int, int]) -> np.ndarray:
         raise ValueError(f"upsample_tokens expects (T, H, W) and a 3-tuple patch, got {a.shape} and {patch}")
     pt, ph, pw = (int(p) for p in patch)
     return a.repeat(pt, axis=0).repeat(ph, axis=1).repeat(pw, axis=2)
+
+
+def cross_attention_region(
+    response: Any, grid: tuple[int, int, int], high: float = 0.5, low: float = 0.25, connectivity: Literal["volume", "frame"] = "volume"
+) -> np.ndarray:
+    """Boolean ``(T, H, W)`` region of one word from its cross-attention response ``(N,)``: min-max
+    normalised, then hysteresis (tokens above ``high`` seed, regions grow through tokens above
+    ``low``). A constant response localises nothing (empty region). (The Chorus baseline's regions.)"""
+    import torch
+
+    from ..signature import RegionConfig, hysteresis
+
+    c = torch.as_tensor(response).detach().float().cpu().numpy().reshape(grid)
+    lo, hi = float(c.min()), float(c.max())
+    if not np.isfinite(c).all() or hi - lo <= 1e-12 * max(1.0, abs(hi)):
+        return np.zeros(grid, dtype=bool)
+    return hysteresis((c - lo) / (hi - lo), RegionConfig(high=high, low=low, connectivity=connectivity))

@@ -1,9 +1,10 @@
 """Nouns of a prompt, for the noun filter and the Evidence Regions (PAPER step 1).
 
-spaCy's English pipeline when one is installed (optional extra ``carnator[nlp]`` plus a model
-such as ``en_core_web_sm``), else a dependency-free fallback: exact on the shapes world's closed
-grammar, and a stop-word heuristic on real prompts (content words that are not adjectives,
-verbs or adverbs by a small lexicon and suffix rules).
+A noun extractor is any ``text -> list[str]``; the engine takes one (``Carnator(..., nouns=...)``), by default its
+adapter's (:meth:`~carnator.backbones.base.BackboneAdapter.noun_extractor`). :func:`extract_nouns` serves real
+models: spaCy's English pipeline when one is installed (optional extra ``carnator[nlp]`` plus a model such as
+``en_core_web_sm``), else a stop-word heuristic (content words that are not adjectives, verbs or adverbs by a small
+lexicon and suffix rules). :class:`LexiconNouns` is exact on a closed caption grammar (the embedded model's).
 """
 
 from __future__ import annotations
@@ -67,16 +68,11 @@ def noun_phrase_spans(text: str, noun: str, modifiers: int = 0) -> list[tuple[in
     return out
 
 
-def fallback_nouns(text: str) -> list[str]:
-    """Dependency-free nouns: exact for the shapes world, a heuristic elsewhere."""
-    from ..world.captions import nouns as world_nouns
-    from ..world.captions import vocabulary
-
-    words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)?", text.lower())
-    if words and set(words) <= set(vocabulary()):
-        return world_nouns(text)
+def heuristic_nouns(text: str) -> list[str]:
+    """Dependency-free nouns of a real prompt: content words that are not stop words, adjectives (a small lexicon),
+    numbers, or verbs and adverbs by their suffix."""
     out = []
-    for w in words:
+    for w in re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)?", text.lower()):
         if w in _STOP or w in _ADJ or w.isdigit() or len(w) < 3:
             continue
         if w.endswith(_NON_NOUN_SUFFIX) and not w.endswith(("ring", "king", "ship", "ball", "animal", "crystal")):
@@ -86,8 +82,53 @@ def fallback_nouns(text: str) -> list[str]:
 
 
 def extract_nouns(text: str, *, use_spacy: bool | None = None) -> list[str]:
-    """Lower-cased nouns of ``text`` in order of appearance, duplicates merged."""
+    """Lower-cased nouns of ``text`` in order of appearance, duplicates merged: spaCy's English pipeline when one is
+    installed, else :func:`heuristic_nouns`. The default noun extractor for real models."""
     nlp = _spacy() if use_spacy in (None, True) else None
     if nlp is None:
-        return fallback_nouns(text)
+        return heuristic_nouns(text)
     return list(dict.fromkeys(t.text.lower() for t in nlp(text) if t.pos_ in ("NOUN", "PROPN")))
+
+
+class LexiconNouns:
+    """The nouns of a closed caption grammar (a model trained on one, such as the embedded model): the prompt's words
+    are split into the lexicon's phrases, longest match first; object phrases give their noun in order, then place
+    phrases their head noun. A prompt with a word outside ``vocabulary`` falls back to ``fallback``.
+
+    ``phrases``: (words, kind, noun) triples, kind "object", "place" or any other (a phrase that names no noun).
+    """
+
+    def __init__(self, vocabulary, phrases, fallback=extract_nouns):
+        self.vocabulary = frozenset(vocabulary)
+        self.phrases = {tuple(w.split()): (kind, noun) for w, kind, noun in phrases}
+        self.longest = max((len(k) for k in self.phrases), default=1)
+        self.fallback = fallback
+
+    @classmethod
+    def from_file(cls, path) -> LexiconNouns:
+        import json
+        from pathlib import Path
+
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cls(doc["vocabulary"], [(p["words"], p["kind"], p["noun"]) for p in doc["phrases"]])
+
+    def __call__(self, text: str) -> list[str]:
+        words = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)?", text.lower())
+        if not words or not set(words) <= self.vocabulary:
+            return self.fallback(text)
+        words = re.findall(r"[a-z0-9]+", text.lower())
+        objects, places, i = [], [], 0
+        while i < len(words):
+            for n in range(min(self.longest, len(words) - i), 0, -1):
+                hit = self.phrases.get(tuple(words[i:i + n]))
+                if hit is not None:
+                    kind, noun = hit
+                    if kind == "object":
+                        objects.append(noun)
+                    elif kind == "place":
+                        places.append(noun)
+                    i += n
+                    break
+            else:
+                i += 1
+        return objects + places
