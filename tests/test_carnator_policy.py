@@ -232,3 +232,25 @@ def test_prefetch_reads_the_first_candidate_beside_the_probe_and_changes_nothing
         assert [n.startswith("carnator-prefetch") for n in loads] == [prefetch]
         results[prefetch] = b.frames
     assert np.array_equal(results[True], results[False])
+
+
+def test_uncertified_reuse_is_refused_when_the_engine_requires_certificates(tmp_path):
+    """``EngineConfig(allow_uncertified=False)`` (the service's default): a reuse that only an uncalibrated thresholds
+    file accepts is a miss with the reason; with the shipped certified file a re-roll still hits, and exact hits stay."""
+    import dataclasses
+
+    eng = make_engine(tmp_path, OPEN)  # a thresholds file without a certificate
+    strict = Carnator(eng.pipe, tmp_path / "strict", adapter=eng.adapter, embedder=bag_of_words_embedder(),
+                      config=dataclasses.replace(eng.config, allow_uncertified=False))
+    strict.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS)
+    b = strict.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS)
+    assert not b.stats.hit and "no certified thresholds" in b.stats.reason and b.stats.notes["uncertified"]
+    assert eng.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS).stats.hit is False
+    assert eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS).stats.certified is False
+    assert strict.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS).stats.exact_hit
+    shipped = Carnator(eng.pipe, tmp_path / "shipped", adapter=eng.adapter, embedder=bag_of_words_embedder(),
+                       config=EngineConfig(allow_uncertified=False))
+    assert shipped.policy("carnator").certified
+    shipped.generate("a small red ball moving left on grass", seed=1)
+    r = shipped.generate("a small red ball moving left on grass", seed=5)
+    assert r.stats.hit and r.stats.certified is True

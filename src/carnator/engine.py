@@ -63,6 +63,10 @@ class EngineConfig:
     cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
         applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
         launch-bound models; the results are the eager forward's.
+    allow_uncertified: whether approximate reuse may rest on a decision that no certified thresholds file backs (the
+        paper's thresholds on a model they were not calibrated for, or a text-similarity baseline). False (what
+        ``carnator serve`` uses unless ``--allow-uncertified``): such a decision becomes a miss; exact hits are always
+        allowed.
     """
 
     capture_steps: str | list[int] = "auto"
@@ -73,6 +77,7 @@ class EngineConfig:
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     intra_cache: str | dict[str, Any] | None = None
     cuda_graphs: bool = False
+    allow_uncertified: bool = True
 
     def __post_init__(self) -> None:
         cs = self.capture_steps
@@ -394,6 +399,9 @@ class Carnator:
             dec = injected
         else:
             dec = pol.decide(inputs)
+        if dec.reuse and dec.certified is not True and not self.config.allow_uncertified:
+            dec = Decision.miss(f"not reused: {dec.reason} (no certified thresholds back it; allow_uncertified is off)",
+                                details={**dec.details, "uncertified": True})
         tm["decision"] = time.perf_counter() - t0
         if events:
             events("decision", {"reuse": dec.reuse, "source_id": dec.source_id, "reason": dec.reason})
