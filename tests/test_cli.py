@@ -140,10 +140,14 @@ def test_bad_request(capsys, model_dir, tmp_path, cache, args, words):
 
 
 @pytest.mark.parametrize("args, words", [(["--pairs", "2"], ["--pairs", "at least 4"]), (["--jobs", "0"], ["--jobs"]),
-                                         (["--model", "x"], ["judge", "--model embedded"]),
-                                         (["--option", "carnator.nope=1"], ["--option", "its fields"]),
+                                         ([], ["--prompts FILE", "--pairs-file FILE"]),
+                                         (["--model", "x", "--prompts", "p.txt"], ["--judge is required"]),
+                                         (["--prompts", "p.txt", "--judge", "nope"], ["unknown judge 'nope'"]),
+                                         (["--prompts", "p.txt", "--quality", "fidelity"], ["--quality", "SCORE=DELTA"]),
+                                         (["--prompts", "p.txt", "--quality", "clip_t=0.02"], ["has no score clip_t"]),
+                                         (["--prompts", "p.txt", "--option", "carnator.nope=1"], ["--option", "its fields"]),
                                          (["--select-only"], ["no pairs to select from", "without --select-only"])],
-                         ids=["pairs", "jobs", "model", "option", "select-only-empty"])
+                         ids=["pairs", "jobs", "no-input", "model", "judge", "quality-form", "quality-score", "option", "select-only-empty"])
 def test_bad_calibrate_args(capsys, tmp_path, args, words):
     code, out, err = run(capsys, "calibrate", *args, "--out", tmp_path / "cal", "--cache-dir", tmp_path / "cache")
     assert_user_error(code, err, *words)
@@ -368,38 +372,6 @@ def test_real_processes_with_default_embedder(model_dir, tmp_path):
     ls = subprocess.run([sys.executable, "-m", "carnator.cli", "cache", "ls", "--cache-dir", str(cache)],
                         capture_output=True, text=True, env=env, timeout=120, check=False)
     assert ls.returncode == 0 and summary["entry_id"] in ls.stdout
-
-
-@pytest.mark.slow
-def test_bench_jobs_runs_policies_in_processes_with_the_same_quality_and_hits(tmp_path, monkeypatch):
-    """``--jobs 3``: nirvana's warm fill in three processes, then its test stream and dense's in one each, over one
-    folder; every quality and hit number equals a one-process run's (the speed columns are measured under
-    contention, so they are not compared)."""
-    # The worker processes load the real recall embedder; so must this process, or recall would differ.
-    monkeypatch.setattr(carnator.embed, "default_embedder", REAL_DEFAULT_EMBEDDER)
-    common = ["bench", "--warm", "4", "--test", "3", "--steps", "3", "--policies", "dense,nirvana", "--device", "cpu",
-              "--cache-dir", str(tmp_path / "c"), "--keep-clips", "0"]
-    assert main(common + ["--jobs", "3", "--out", str(tmp_path / "par")]) == 0
-    assert main(common + ["--out", str(tmp_path / "seq")]) == 0
-    par, seq = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("par", "seq"))
-    exact = ("hit_rate", "fidelity_all", "artifact_all", "fidelity_hits", "dense_fidelity_on_hits", "unsafe_hit_rate", "bytes_per_entry")
-    for pol in ("dense", "nirvana"):
-        assert {k: par["policies"][pol][k] for k in exact} == {k: seq["policies"][pol][k] for k in exact}
-    assert par["policies"]["nirvana"]["hit_rate"] > 0  # the re-rolls and rewordings of the trace hit
-    rows = [json.loads(line) for line in (tmp_path / "par" / "requests.jsonl").read_text().splitlines()]
-    assert sorted((r["policy"], r["i"]) for r in rows) == sorted((p, i) for p in ("dense", "nirvana") for i in range(3))
-
-
-def test_bench_latent_dtype_is_the_stored_latents_dtype(tmp_path):
-    from carnator.cache import CacheBank
-
-    out = tmp_path / "b"
-    assert main(["bench", "--warm", "1", "--test", "1", "--steps", "2", "--policies", "dense,nirvana", "--device", "cpu",
-                 "--cache-dir", str(tmp_path / "c"), "--keep-clips", "0", "--latent-dtype", "float16", "--out", str(out)]) == 0
-    bank = CacheBank(out / "caches" / "nirvana")
-    entry = bank.load(bank.entries()[0].id)
-    assert any(k.startswith("traj.") for k in entry)
-    assert all(entry[k].dtype == torch.float16 for k in entry if k.startswith("traj."))
 
 
 def test_a_failed_worker_is_reported_not_raised():

@@ -386,7 +386,7 @@ def _check_recording(case: Case, layer: int):
     assert ad.pipe.tokenizer.decode([ids[p - ad.text_offset()] for p in pos]).strip() == "ball"
     session = case.attend(record=RecordSpec(layer, tuple(pos)))
     q, kt, bias, qv, kv = _reference_qk(case, layer)
-    ev = session.record.evidence.get(0)
+    ev = session.record.evidence.get((0, layer))
     heads = case.self_attn(0).heads
     assert ev is not None and ev.cross.shape == (heads, case.n, len(pos))
     rows = ev.cross.sum(-1)

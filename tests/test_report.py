@@ -7,13 +7,10 @@ test checks the bench's bookkeeping, clip keeping and report without generating 
 from __future__ import annotations
 
 import base64
-import functools
 import html
-import importlib.util
 import io
 import json
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +30,7 @@ from carnator.bench.report import (
 from carnator.bench.run import run_bench, thumbnail
 from carnator.bench.traces import Trace, TraceRequest
 from carnator.cli import main
+from carnator.judges import QualityRule
 
 EVIL = "a red ball <script>alert('x')</script> & a \"blue\" box"
 TEST_PROMPTS = ["a red ball on grass", "a red ball on snow", EVIL, "a blue box at night", "a red box on grass", "a green star"]
@@ -70,35 +68,42 @@ class FakeEngine:
         return SimpleNamespace(frames=frames, stats=stats)
 
 
-def fake_judge(frames, prompt):
-    return SimpleNamespace(fidelity=float(frames[0, 3, 3, 0]) / 255, artifact=float(frames[0, 3, 3, 2]) / 2550)
+class FakeJudge:
+    """Reads the planted pixel: fidelity from its red channel, artifact from its blue one."""
+
+    name, identity = "fake", "fake-judge-1"
+    directions = {"fidelity": 1, "artifact": -1}
+
+    def score(self, frames, prompt, reference=None):
+        return {"fidelity": float(frames[0, 3, 3, 0]) / 255, "artifact": float(frames[0, 3, 3, 2]) / 2550}
+
+
+JUDGE = FakeJudge()
+RULE = QualityRule({"fidelity": 0.1, "artifact": 0.02}, FakeJudge.directions)
 
 
 @pytest.fixture
 def bench(tmp_path, monkeypatch):
-    # carnator.world re-exports the function judge under the submodule's name: patch the module itself
-    monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge", fake_judge)
     trace = Trace([TraceRequest("a red ball on grass", 1, "warm"), TraceRequest("a blue box", 2, "warm")],
                   [TraceRequest(p, 10 + k, "noun") for k, p in enumerate(TEST_PROMPTS)])
     out = tmp_path / "bench"
-    rep = run_bench(FakeEngine, trace, ["dense", "nirvana", "carnator"], out, keep_clips=2, progress=lambda *_: None)
+    rep = run_bench(FakeEngine, trace, ["dense", "nirvana", "carnator"], out, judge=JUDGE, rule=RULE, keep_clips=2, progress=lambda *_: None)
     return out, rep
 
 
 def test_warm_fill_is_misses_and_resumes_after_an_interruption(tmp_path, monkeypatch):
     """Warm requests run with cache="off" (misses that store), the test stream with reuse; a fill cut short resumes
     without generating again what it stored; shards fill disjoint parts; dense has no warm cache."""
-    monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge", fake_judge)
     warm = [TraceRequest(f"warm {k}", k, "warm") for k in range(5)]
     trace = Trace(warm, [TraceRequest(TEST_PROMPTS[0], 10, "noun")])
     out = tmp_path / "b"
     FakeEngine.calls.clear()
-    run_bench(FakeEngine, trace, ["nirvana"], out, only=True, report=False, warm_shard=(1, 2), progress=lambda *_: None)
+    run_bench(FakeEngine, trace, ["nirvana"], out, judge=JUDGE, rule=RULE, only=True, report=False, warm_shard=(1, 2), progress=lambda *_: None)
     assert FakeEngine.calls == [("nirvana", "warm 1", 1, False), ("nirvana", "warm 3", 3, False)]
     assert not (out / "caches" / "nirvana" / ".warm").exists() and not (out / "requests.jsonl").read_text()
 
     FakeEngine.calls.clear()
-    run_bench(FakeEngine, trace, ["dense", "nirvana"], out, progress=lambda *_: None)
+    run_bench(FakeEngine, trace, ["dense", "nirvana"], out, judge=JUDGE, rule=RULE, progress=lambda *_: None)
     assert FakeEngine.calls == [("dense", TEST_PROMPTS[0], 10, True),
                                 ("nirvana", "warm 0", 0, False), ("nirvana", "warm 2", 2, False), ("nirvana", "warm 4", 4, False),
                                 ("nirvana", TEST_PROMPTS[0], 10, True)]
@@ -165,16 +170,15 @@ def test_policies_run_apart_then_reported_together_give_the_same_report(bench, t
     """``carnator bench --jobs``' bookkeeping: each worker runs one policy (dense too) into the shared folder,
     with no report; the final run finds every row done and writes the same report as one process."""
     out1, rep1 = bench
-    monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge", fake_judge)
     trace = Trace.load(out1 / "trace.json")
     out = tmp_path / "apart"
     for pol in ("carnator", "dense", "nirvana"):  # any order
-        assert run_bench(FakeEngine, trace, [pol], out, keep_clips=2, progress=lambda *_: None, only=True, report=False) is None
+        assert run_bench(FakeEngine, trace, [pol], out, judge=JUDGE, rule=RULE, keep_clips=2, progress=lambda *_: None, only=True, report=False) is None
         assert not (out / "report.json").exists()
     assert sorted(json.loads(line)["policy"] for line in (out / "requests.jsonl").read_text().splitlines()) == sorted(
         ["carnator"] * 6 + ["dense"] * 6 + ["nirvana"] * 6)
     said = []
-    rep = run_bench(FakeEngine, trace, ["dense", "nirvana", "carnator"], out, keep_clips=2, progress=said.append)
+    rep = run_bench(FakeEngine, trace, ["dense", "nirvana", "carnator"], out, judge=JUDGE, rule=RULE, keep_clips=2, progress=said.append)
     assert rep == rep1 and not [m for m in said if "hit=" in m]  # nothing generated again
     assert (out / "report.md").read_text() == (out1 / "report.md").read_text()
 
@@ -208,67 +212,6 @@ def test_cli_report_only(bench, capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith("carnator: error: --report-only") and "report.json" in err[0]
     assert main(["bench", "--out", str(out), "--keep-clips", "-1"]) == 2
     assert main(["bench", "--out", str(out), "--jobs", "0"]) == 2
-
-
-# ---- recall statistics ----------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1)
-def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "recall_stats.py"
-    spec = importlib.util.spec_from_file_location("recall_stats", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["recall_stats"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_recall_stats_known_counts():
-    rs = _script()
-    # hand-made unit vectors: cosines are exact
-    vec = {
-        "w-cat-sofa": [1, 0, 0], "w-dog-park": [0, 1, 0], "w-car-road": [0, 0, 1],
-        "t-cat-bed": [0.8, 0.6, 0],         # best: cat-sofa 0.8 (gate), one substitution sofa -> bed
-        "t-dog-park-ball": [0.6, 0.8, 0],   # best: dog-park 0.8 (gate), nouns differ by an addition (fail)
-        "t-car-road": [0, 0.5, np.sqrt(0.75)],  # best: car-road 0.866, identical nouns
-        "t-cat-sofa-far": [0.5, np.sqrt(0.75), 0],  # best: dog-park 0.866 (fails nouns); 2nd cat-sofa 0.5 passes
-    }
-    nouns = {
-        "w-cat-sofa": ["cat", "sofa"], "w-dog-park": ["dog", "park"], "w-car-road": ["car", "road"],
-        "t-cat-bed": ["cat", "bed"], "t-dog-park-ball": ["dog", "park", "ball"], "t-car-road": ["Car", "road", "car"],
-        "t-cat-sofa-far": ["cat", "sofa"],
-    }
-
-    def embed(texts):
-        return np.asarray([vec[t] for t in texts], dtype=np.float64)
-
-    warm = ["w-cat-sofa", "w-dog-park", "w-car-road"]
-    test = ["t-cat-bed", "t-dog-park-ball", "t-car-road", "t-cat-sofa-far"]
-    s = rs.recall_stats(warm, test, embed, nouns.__getitem__, k=2)
-    assert s["n"] == 4 and s["k"] == 2
-    assert json.loads(json.dumps(s))["gate_pass"] == 4  # plain Python numbers, JSON-ready
-    assert s["gate_pass"] == 4
-    assert s["top1_noun_pass"] == 2 and s["top1_noun_identical"] == 1 and s["top1_noun_substitution"] == 1
-    assert s["gate_and_top1_noun"] == 2
-    assert s["topk_any_noun_pass"] == 3 and s["topk_any_noun_pass_gated"] == 2
-    assert s["topk_candidates_passing"] == 3 and s["topk_candidates"] == 8
-    assert s["best_cos_quantiles"][100] == pytest.approx(np.sqrt(0.75))
-    assert sum(s["best_cos_hist"].values()) == 4 and s["best_cos_hist"]["[0.75,0.85)"] == 2 and s["best_cos_hist"]["[0.85,0.90)"] == 2
-    # a higher gate: only the two 0.866 prompts pass
-    assert rs.recall_stats(warm, test, embed, nouns.__getitem__, k=2, gate=0.85)["gate_pass"] == 2
-    assert "| text gate passes (top-1 cosine >= 0.65) | 100.0 % | 100.0 % |" in rs.markdown({0: s}, s)
-
-
-def test_recall_traces_are_disjoint(tmp_path):
-    rs = _script()
-    f = tmp_path / "p.tsv"
-    f.write_text("uuid\ttopic\tprompt\n" + "".join(f"u{i}\tt{i % 3}\tprompt number {i % 40}\n" for i in range(50)))
-    prompts, topics = rs.dedupe(*rs.read_prompts(f))
-    assert len(prompts) == 40 and topics[:3] == ["t0", "t1", "t2"]
-    w, t = rs.split(len(prompts), 30, 10, seed=1)
-    assert len(set(w) | set(t)) == 40 and not set(w) & set(t)
-    with pytest.raises(ValueError, match="distinct prompts"):
-        rs.split(len(prompts), 30, 11, seed=1)
 
 
 def test_hit_rows_name_their_source(bench):

@@ -413,25 +413,55 @@ def test_upsample_tokens():
 
 
 def test_quality_rule_hand_computed():
-    """fidelity >= dense - 0.1 and artifact <= dense + 0.02 (calibrate's default), on floats and elementwise."""
-    from carnator.quality import QualityRule
+    """fidelity >= dense - 0.1 (higher is better) and artifact <= dense + 0.02 (lower is better), on floats and
+    elementwise; a score the judge cannot read (NaN on both sides) passes; a negative delta is refused."""
+    from carnator.judges import QualityRule
 
-    r = QualityRule()
-    assert r.acceptable(0.55, 0.10, 0.6, 0.09)         # within both limits
-    assert not r.acceptable(0.4, 0.09, 0.6, 0.09)      # lost an attribute (0.2)
-    assert not r.acceptable(0.6, 0.12, 0.6, 0.09)      # artifact 0.03 above dense
-    got = r.acceptable(np.array([0.55, 0.4, 0.6]), np.array([0.10, 0.09, 0.12]), np.full(3, 0.6), np.full(3, 0.09))
+    r = QualityRule({"fidelity": 0.1, "artifact": 0.02}, {"fidelity": 1, "artifact": -1})
+    dense = {"fidelity": 0.6, "artifact": 0.09}
+    assert r.acceptable({"fidelity": 0.55, "artifact": 0.10}, dense)       # within both limits
+    assert not r.acceptable({"fidelity": 0.4, "artifact": 0.09}, dense)    # lost an attribute (0.2)
+    assert not r.acceptable({"fidelity": 0.6, "artifact": 0.12}, dense)    # artifact 0.03 above dense
+    got = r.acceptable({"fidelity": np.array([0.55, 0.4, 0.6]), "artifact": np.array([0.10, 0.09, 0.12])},
+                       {"fidelity": np.full(3, 0.6), "artifact": np.full(3, 0.09)})
     assert got.tolist() == [True, False, False]
+    assert r.acceptable({"fidelity": float("nan"), "artifact": 0.0}, {"fidelity": float("nan"), "artifact": 0.0})
+    assert r.label({"dense": dense, "reuse": {"fidelity": 0.5, "artifact": 0.09}}) is True
+    assert QualityRule.from_dict(r.to_dict()) == r
+    with pytest.raises(ValueError):
+        QualityRule({"clip_t": -0.02})
+
+
+class FakeJudge:
+    """A judge that reads a clip's first pixel (so a test can plant scores); directions as the shapes judge's."""
+
+    name, identity = "fake", "fake-judge-1"
+    directions = {"fidelity": 1, "artifact": -1}
+    default_deltas = {"fidelity": 0.1, "artifact": 0.02}
+
+    def score(self, frames, prompt, reference=None):
+        return {"fidelity": 1.0, "artifact": 0.0}
+
+
+def _rule(df=0.1, da=0.02):
+    from carnator.judges import QualityRule
+
+    return QualityRule({"fidelity": df, "artifact": da}, FakeJudge.directions)
+
+
+def _fake_engine(**kw):
+    from types import SimpleNamespace
+
+    from carnator.policies.carnator import CarnatorConfig
+
+    return SimpleNamespace(model_identity="embedded-test", use_policy=lambda p: None,
+                           policy=lambda name: SimpleNamespace(cfg=CarnatorConfig(**kw)))
 
 
 def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
     """A finished pairs.jsonl re-run with other deltas: labels come from the stored scores and this
     run's rule (hand-computed), not from the stored labels; no pair is generated again."""
-    from types import SimpleNamespace
-
-    from carnator.calibration import make_pairs, run_calibration
-    from carnator.quality import QualityRule
-    from carnator.policies.carnator import CarnatorConfig
+    from carnator.calibration import run_calibration
 
     scores = [((1.0, 0.05), (0.8, 0.06)),   # lost 0.2: fails 0.1, passes 0.25
               ((0.9, 0.05), (0.9, 0.05)),   # equal: passes both
@@ -439,62 +469,64 @@ def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
               ((0.8, 0.05), (0.8, 0.09))]   # artifact +0.04: fails 0.02, passes 0.05
     with open(tmp_path / "pairs.jsonl", "w") as f:
         for i, ((df, da), (rf, ra)) in enumerate(scores):
-            f.write(json.dumps({"i": i, "kind": make_pairs(len(scores))[i][0], "hit": True, "acceptable": True,
+            f.write(json.dumps({"i": i, "kind": "noun", "hit": True, "acceptable": True,
                                 "d": {"context": 1.0 + i, "size": 0.1 * i, "shape": 0.05 * i, "color": 2.0 * i, "text": 0.01 * i},
                                 "dense": {"fidelity": df, "artifact": da}, "reuse": {"fidelity": rf, "artifact": ra}}) + "\n")
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None,
-                             policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
-    got = run_calibration(engine, tmp_path, len(scores), progress=lambda *_: None, pairs_from="edits")
+    engine = _fake_engine()
+    got = run_calibration(engine, tmp_path, None, judge=FakeJudge(), rule=_rule(), progress=lambda *_: None)
     assert got["acceptable"] == 1
-    got = run_calibration(engine, tmp_path, len(scores), rule=QualityRule(0.25, 0.05), progress=lambda *_: None, pairs_from="edits")
+    got = run_calibration(engine, tmp_path, None, judge=FakeJudge(), rule=_rule(0.25, 0.05), progress=lambda *_: None)
     assert got["acceptable"] == 3
-    assert json.loads((tmp_path / "calibration.json").read_text())["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}
-    assert json.loads((tmp_path / "thresholds.json").read_text())["meta"]["rule"] == {"delta_fidelity": 0.25, "delta_artifact": 0.05}
+    want = {"deltas": {"fidelity": 0.25, "artifact": 0.05}, "directions": {"fidelity": 1, "artifact": -1}}
+    assert json.loads((tmp_path / "calibration.json").read_text())["rule"] == want
+    meta = json.loads((tmp_path / "thresholds.json").read_text())["meta"]
+    assert meta["rule"] == want and meta["judge"] == "fake-judge-1"
 
 
 def test_select_only_calibration_uses_every_stored_pair_and_generates_none(tmp_path):
     """calibrate --select-only: the stored pairs (holes and all, as a cut --jobs run leaves them) are selected and
     certified whatever --pairs says; the engine has no generate, embedder or bank, so touching one would raise.
     With no pairs stored it is a one-line error."""
-    from types import SimpleNamespace
-
     from carnator.calibration import run_calibration
     from carnator.errors import CarnatorError
-    from carnator.policies.carnator import CarnatorConfig
+    from carnator.policies.carnator import CarnatorPolicy
 
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
+    engine, judge = _fake_engine(), FakeJudge()
     with pytest.raises(CarnatorError, match="holds no pairs to select from"):
-        run_calibration(engine, tmp_path, 4, progress=lambda *_: None, generate=False)
+        run_calibration(engine, tmp_path, None, judge=judge, rule=_rule(), progress=lambda *_: None)
     # indices 0, 2, 5, 9: 3 acceptable (fidelity kept), 1 not (lost 0.4)
     with open(tmp_path / "pairs.jsonl", "w") as f:
         for i, rf in zip((0, 2, 5, 9), (1.0, 1.0, 0.6, 1.0)):
             f.write(json.dumps({"i": i, "kind": "reroll", "source": "a red ball", "target": "a red ball", "hit": True,
                                 "d": {"context": 1.0 + i, "size": None, "shape": None, "color": None, "text": 0.0},
                                 "dense": {"fidelity": 1.0, "artifact": 0.0}, "reuse": {"fidelity": rf, "artifact": 0.0}}) + "\n")
-    got = run_calibration(engine, tmp_path, 2, progress=lambda *_: None, pairs_from="edits", generate=False)
+    (tmp_path / "pairs.meta.json").write_text(json.dumps({"pairs_from": "edits", "judge": judge.identity,
+                                                          "reading": json.loads(json.dumps(CarnatorPolicy().reading()))}))
+    got = run_calibration(engine, tmp_path, None, judge=judge, rule=_rule(), progress=lambda *_: None)
     assert (got["pairs"], got["reusable_pairs"], got["acceptable"]) == (4, 4, 3)
     res = got["result"]
     assert res["selection"]["size"] + res["certification"]["size"] == 4
     assert json.loads((tmp_path / "thresholds.json").read_text())["meta"]["certification"] == res["certification"]
-    # how the pairs were drawn comes from the folder (no need to repeat --pairs-from / --warm) ...
-    again = run_calibration(engine, tmp_path, 2, progress=lambda *_: None, pairs_from="stream", warm=7, generate=False)
-    assert again["pairs_from"] == "edits" and "warm" not in again and again["result"] == res
-    # ... but pairs read under another reading are refused
-    other = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig(modifiers=0)))
+    # how the pairs were drawn comes from the folder ...
+    again = run_calibration(engine, tmp_path, None, judge=judge, rule=_rule(), source={"pairs_from": "stream"}, progress=lambda *_: None)
+    assert again["pairs_from"] == "edits" and again["result"] == res
+    # ... but pairs read under another reading, or judged by another judge, are refused
     with pytest.raises(CarnatorError, match="signatures were read as"):
-        run_calibration(other, tmp_path, 2, progress=lambda *_: None, generate=False)
+        run_calibration(_fake_engine(modifiers=0), tmp_path, None, judge=judge, rule=_rule(), progress=lambda *_: None)
+    other = FakeJudge()
+    other.identity = "fake-judge-2"
+    with pytest.raises(CarnatorError, match="judged by"):
+        run_calibration(engine, tmp_path, None, judge=other, rule=_rule(), progress=lambda *_: None)
 
 
 def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
     """calibrate --jobs: shard (k, n) generates exactly pairs k, k + n, ... and selects nothing; the final
     unsharded run finds every pair stored, generates none, and selects over all of them."""
-    import importlib
     from types import SimpleNamespace
 
-    from carnator.calibration import make_pairs, run_calibration
-    from carnator.policies.carnator import CarnatorConfig
+    from carnator.calibration import run_calibration
 
-    pairs = make_pairs(5)
+    pairs = [("noun", f"a red ball {k}", k, f"a red box {k}", 100 + k) for k in range(5)]
     calls = []
 
     def generate(prompt, *, seed, policy, tenant, num_inference_steps=None, store=True):
@@ -504,16 +536,14 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
             hit=policy == "carnator-forced", notes=notes, timings={}, resume_step=20, active_fraction=0.5, mask_density=1.0,
             source_id=None))
 
-    monkeypatch.setattr(importlib.import_module("carnator.world.judge"), "judge",
-                        lambda frames, text: SimpleNamespace(fidelity=1.0, artifact=0.0))
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, generate=generate,
-                             store=SimpleNamespace(clear=lambda tenant: None),
-                             policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
-    assert run_calibration(engine, tmp_path, len(pairs), shard=(1, 2), progress=lambda *_: None, pairs_from="edits") is None
+    engine = _fake_engine()
+    engine.generate, engine.store = generate, SimpleNamespace(clear=lambda tenant: None)
+    kw = {"judge": FakeJudge(), "rule": _rule(), "source": {"pairs_from": "test"}, "progress": lambda *_: None}
+    assert run_calibration(engine, tmp_path, pairs, shard=(1, 2), **kw) is None
     assert sorted({i for i, _ in calls}) == [1, 3] and not (tmp_path / "thresholds.json").exists()
-    assert run_calibration(engine, tmp_path, len(pairs), shard=(0, 2), progress=lambda *_: None, pairs_from="edits") is None
+    assert run_calibration(engine, tmp_path, pairs, shard=(0, 2), **kw) is None
     assert sorted({i for i, _ in calls}) == [0, 1, 2, 3, 4] and len(calls) == 3 * len(pairs)
-    got = run_calibration(engine, tmp_path, len(pairs), progress=lambda *_: None, pairs_from="edits")
+    got = run_calibration(engine, tmp_path, pairs, **kw)
     assert len(calls) == 3 * len(pairs)                      # nothing generated again
     assert got["pairs"] == got["reusable_pairs"] == got["acceptable"] == len(pairs)
     assert sorted(json.loads(x)["i"] for x in (tmp_path / "pairs.jsonl").read_text().splitlines()) == list(range(len(pairs)))
@@ -521,38 +551,15 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
 
 def test_calibration_without_reusable_pairs_is_a_clear_error(tmp_path):
     """Pairs stored but none reused (e.g. fewer steps than the resume step): one-line error, no traceback of the split."""
-    from types import SimpleNamespace
-
-    from carnator.calibration import make_pairs, run_calibration
+    from carnator.calibration import run_calibration
     from carnator.errors import CarnatorError
-    from carnator.policies.carnator import CarnatorConfig
 
     with open(tmp_path / "pairs.jsonl", "w") as f:
-        for i, p in enumerate(make_pairs(4)):
-            f.write(json.dumps({"i": i, "kind": p[0], "hit": False, "d": None, "dense": {"fidelity": 1.0, "artifact": 0.0},
+        for i in range(4):
+            f.write(json.dumps({"i": i, "kind": "noun", "hit": False, "d": None, "dense": {"fidelity": 1.0, "artifact": 0.0},
                                 "reuse": {"fidelity": 1.0, "artifact": 0.0}}) + "\n")
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     with pytest.raises(CarnatorError, match="only 0 of 4 pairs could reuse"):
-        run_calibration(engine, tmp_path, 4, progress=lambda *_: None, pairs_from="edits")
-
-
-def test_calibration_pairs_come_in_the_bench_streams_proportions_and_unrelated_ones_pass_the_noun_filter():
-    """The thresholds are certified on pairs drawn like the stream they serve: every 10 pairs hold the traces' mix
-    (re-roll and noun 2 each, the other kinds 1), and an unrelated pair is two different scenes whose nouns recall's
-    filter would still hand to the compatibility test."""
-    from collections import Counter
-
-    from carnator.bench.traces import MIX
-    from carnator.calibration import make_pairs
-    from carnator.reuse import noun_diff
-    from carnator.signature.nouns import extract_nouns
-
-    pairs = make_pairs(40, seed=3)
-    assert Counter(p[0] for p in pairs[:10]) == {k: round(s * 10) for k, s in MIX}
-    unrelated = [p for p in pairs if p[0] == "unrelated"]
-    assert len(unrelated) == 4
-    for _, source, _, target, _ in unrelated:
-        assert source != target and noun_diff(extract_nouns(target), extract_nouns(source)) is not None
+        run_calibration(_fake_engine(), tmp_path, None, judge=FakeJudge(), rule=_rule(), progress=lambda *_: None)
 
 
 def test_stream_pairs_take_the_first_recalled_candidate_that_passes_the_noun_filter():
@@ -581,23 +588,22 @@ def test_stream_pairs_take_the_first_recalled_candidate_that_passes_the_noun_fil
 
     two = [("noun", "a red ball on grass", 1, "a red box on grass", 10),
            ("color/other", "a blue box on snow", 2, "a yellow ball on snow", 11)]
-    assert recall_pairs(warm, stream, embed, top_k=2) == two
-    assert recall_pairs(warm, stream, embed, top_k=3) == two + [("context", "a blue box on snow", 2, "a blue box at night", 13)]
-    assert recall_pairs(warm, stream, embed, top_k=4, n=1) == two[:1]
+    from carnator.signature.nouns import extract_nouns
+
+    assert recall_pairs(warm, stream, embed, extract_nouns, top_k=2) == two
+    assert recall_pairs(warm, stream, embed, extract_nouns, top_k=3) == two + [("context", "a blue box on snow", 2, "a blue box at night", 13)]
+    assert recall_pairs(warm, stream, embed, extract_nouns, top_k=4, n=1) == two[:1]
 
 
 def test_calibration_refuses_to_mix_pair_sources(tmp_path):
     """A folder started with edit pairs is not continued with stream pairs (their indices would mean other pairs)."""
-    from types import SimpleNamespace
-
     from carnator.calibration import run_calibration
     from carnator.errors import CarnatorError
-    from carnator.policies.carnator import CarnatorConfig
 
-    engine = SimpleNamespace(model_identity="embedded-test", _policies={}, use_policy=lambda p: None, policy=lambda name: SimpleNamespace(cfg=CarnatorConfig()))
     (tmp_path / "pairs.meta.json").write_text(json.dumps({"pairs_from": "edits"}))
     with pytest.raises(CarnatorError, match="holds pairs drawn as"):
-        run_calibration(engine, tmp_path, 4, progress=lambda *_: None, pairs_from="stream")
+        run_calibration(_fake_engine(), tmp_path, [("noun", "a", 1, "b", 2)] * 4, judge=FakeJudge(), rule=_rule(),
+                        source={"pairs_from": "stream"}, progress=lambda *_: None)
 
 
 def test_backfill_text_is_one_minus_the_recall_cosine():

@@ -322,14 +322,17 @@ def cmd_calibrate(args) -> int:
     from .calibration import run_calibration
     from .reuse import CalibrationConfig
 
-    if args.model != "embedded":
-        raise CarnatorError("calibrate needs a judge of prompt fidelity; only the embedded model has one (--model embedded)")
     if args.pairs < 4:
         raise CarnatorError("--pairs must be at least 4")
     if args.jobs < 1:
         raise CarnatorError("--jobs must be 1 or more")
     if args.warm < 1:
         raise CarnatorError("--warm must be 1 or more")
+    if not args.select_only and (args.prompts is None) == (args.pairs_file is None):
+        raise CarnatorError("give the requests to calibrate on: --prompts FILE (a prompt log, paired as recall pairs them) "
+                            "or --pairs-file FILE (or --select-only to reuse the pairs already in --out)")
+    judge = _judge(args)
+    rule = _quality_rule(args, judge)
     if args.jobs > 1 and args.shard is None and not args.select_only:
         # Workers generate and judge disjoint shards of the pairs, appending to one pairs.jsonl; the run below
         # then finds every pair done and only selects and certifies.
@@ -345,21 +348,74 @@ def cmd_calibrate(args) -> int:
                 print(f"carnator: warning: calibrate worker {k + 1} of {args.jobs} stopped ({err}); "
                       "the pairs it left are generated here, one after another", file=sys.stderr)
     eng = _engine(args)
-    summary = run_calibration(eng, Path(args.out), args.pairs, steps=args.steps, rule=_quality_rule(args),
+    pairs, source = None, None
+    if not args.select_only:
+        pairs, source = _calibration_pairs(args, eng)
+    summary = run_calibration(eng, Path(args.out), pairs, judge=judge, rule=rule, source=source, steps=args.steps,
+                              settings=_settings(args),
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold,
                                                     selection_confidence=args.selection_confidence, rule=args.rule),
-                              resume_step=args.resume_step,
-                              shard=args.shard, pairs_from=args.pairs_from, warm=args.warm,
-                              generate=not args.select_only)
+                              resume_step=args.resume_step, shard=args.shard)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
     return 0
 
 
+def _calibration_pairs(args, eng):
+    """The pairs to generate and how they were drawn: a pairs file as it is, or a prompt log's first ``--warm`` requests
+    as the cache and the rest as the stream, each paired with its first recalled warm request (as in service)."""
+    if args.pairs_file is not None:
+        rows = []
+        for k, line in enumerate(Path(args.pairs_file).read_text(encoding="utf-8").splitlines()):
+            if line.strip():
+                try:
+                    d = json.loads(line)
+                    rows.append((str(d["kind"]), str(d["source"]), int(d["source_seed"]), str(d["target"]), int(d["target_seed"])))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CarnatorError(f"{args.pairs_file}, line {k + 1}: expected a JSON object with kind, source, "
+                                        f"source_seed, target, target_seed ({e})") from None
+        if len(rows) < args.pairs:
+            raise CarnatorError(f"{args.pairs_file} holds {len(rows)} pairs; --pairs {args.pairs} were asked for")
+        meta = Path(args.pairs_file).with_suffix(".meta.json")
+        drawn = json.loads(meta.read_text()) if meta.is_file() else {"pairs_file": Path(args.pairs_file).name}
+        return rows[: args.pairs], drawn
+    from .bench.traces import prompt_trace
+    from .calibration import recall_pairs
+
+    trace = prompt_trace(args.prompts, args.warm)
+    top_k = eng.policy("carnator").cfg.top_k
+    pairs = recall_pairs(trace.warm, trace.test, eng.embedder, eng.nouns, top_k=top_k, n=args.pairs)
+    if len(pairs) < args.pairs:
+        raise CarnatorError(f"only {len(pairs)} of {len(trace.test)} stream prompts of {args.prompts} found a recalled warm "
+                            f"prompt with the same nouns (or one substituted); {args.pairs} pairs were asked for: "
+                            "give more prompts or fewer --pairs")
+    return pairs, {"pairs_from": "prompts", "prompts": Path(args.prompts).name, "warm": args.warm, "top_k": top_k}
+
+
+def _settings(args) -> dict:
+    """Generation settings given on the command line (each None: the model's default)."""
+    return {k: v for k, v in (("height", getattr(args, "height", None)), ("width", getattr(args, "width", None)),
+                              ("num_frames", getattr(args, "frames", None)), ("guidance_scale", getattr(args, "guidance", None)))
+            if v is not None}
+
+
+def _judge(args):
+    from .judges import get_judge
+
+    spec = args.judge
+    if spec is None:
+        if args.model != "embedded":
+            raise CarnatorError("--judge is required for a model other than the embedded one, e.g. --judge clip=/path/to/clip")
+        spec = "shapes"
+    try:
+        return get_judge(spec)
+    except ValueError as e:
+        raise CarnatorError(f"--judge {spec}: {e}") from None
+
 def cmd_bench(args) -> int:
     from .bench.report import to_markdown, write_html
     from .bench.run import run_bench
-    from .bench.traces import world_trace
+    from .bench.traces import Trace, prompt_trace
     from .engine import Carnator
 
     if args.keep_clips < 0:
@@ -374,8 +430,11 @@ def cmd_bench(args) -> int:
         path = write_html(out)
         print(f"wrote {path}")
         return 0
-    if args.model != "embedded":
-        raise CarnatorError("bench judges quality with the shapes-world judge; only --model embedded is supported")
+    if (args.trace is None) == (args.prompts is None):
+        raise CarnatorError("give the workload: --prompts FILE (its first --warm prompts fill the caches, the next --test "
+                            "are the stream) or --trace FILE (a trace.json)")
+    judge = _judge(args)
+    rule = _quality_rule(args, judge)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     base = _engine(args)
     for p in policies:
@@ -386,7 +445,7 @@ def cmd_bench(args) -> int:
         eng._embedder = base._embedder
         return eng
 
-    trace = world_trace(args.warm, args.test, seed=args.seed)
+    trace = Trace.load(Path(args.trace)) if args.trace is not None else prompt_trace(args.prompts, args.warm, args.test)
     if args.jobs > 1 and not args.worker:
         # Phase 1: the warm caches, several workers per policy (fills are independent). Phase 2: each policy's test
         # stream in one worker (its requests depend on what its earlier ones stored; dense's too, so every stream
@@ -413,14 +472,14 @@ def cmd_bench(args) -> int:
                 n = max(1, args.jobs // len(stores))
                 jobs = [{"policies": p, "worker": True, "shard": {"warm_shard": (k, n)}} for p in stores for k in range(n)]
                 pool.map(_worker, [(opts, {**o, **on_gpu(j)}, threads) for j, o in enumerate(jobs)], chunksize=1)
-                print(f"warm caches filled in {time.perf_counter() - t0:.0f} s ({len(stores)} x {args.warm} requests, {n} workers each"
+                print(f"warm caches filled in {time.perf_counter() - t0:.0f} s ({len(stores)} x {len(trace.warm)} requests, {n} workers each"
                       f"{f', over {gpus} GPUs' if gpus > 1 else ''})", flush=True)
             t0 = time.perf_counter()
             pool.map(_worker, [(opts, {"policies": p, "worker": True, "shard": {}, **on_gpu(j)}, threads)
                                for j, p in enumerate(order)], chunksize=1)
             print(f"test streams run in {time.perf_counter() - t0:.0f} s", flush=True)
-    rep = run_bench(factory, trace, policies, Path(args.out), steps=args.steps, keep_clips=args.keep_clips,
-                    rule=_quality_rule(args),
+    rep = run_bench(factory, trace, policies, Path(args.out), judge=judge, rule=rule, steps=args.steps, settings=_settings(args),
+                    keep_clips=args.keep_clips,
                     only=args.worker, report=not args.worker, **args.shard)
     if rep is None:
         return 0
@@ -468,77 +527,6 @@ def _worker_failure(job: tuple[dict, dict, int]) -> str | None:
     except Exception as e:  # noqa: BLE001 - reported by the parent
         return f"{type(e).__name__}: {e}"
     return None
-
-
-def cmd_bench_scale(args) -> int:
-    import torch
-
-    from .bench.scale import SPECS, ScaleConfig, run_scale, to_markdown
-
-    if args.model not in SPECS:
-        raise CarnatorError(f"unknown size {args.model!r}; available: {', '.join(SPECS)}")
-    if args.frames is not None:  # checked before a GPU is touched: a real size takes minutes to build
-        try:
-            SPECS[args.model].check_frames(args.frames)
-        except ValueError as e:
-            raise CarnatorError(f"--frames: {e}") from None
-    if args.resume_step is None:
-        from .policies.carnator import CarnatorConfig
-
-        args.resume_step = CarnatorConfig.resume_step
-    if args.steps < 1 or not 0 < args.resume_step < args.steps:
-        raise CarnatorError(f"--resume-step must lie in [1, --steps) for a hit to resume, got {args.resume_step} of {args.steps} steps")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise CarnatorError("bench-scale measures speed on a CUDA GPU and none is available here "
-                            "(--device cpu runs the tiny-wan and tiny-ltx smoke tests)")
-    try:
-        dens = tuple(float(x) for x in args.densities.split(","))
-    except ValueError:
-        raise CarnatorError(f"--densities must be comma-separated numbers, got {args.densities!r}") from None
-    if not all(0 < d <= 1 for d in dens):
-        raise CarnatorError("--densities must lie in (0, 1]")
-    if not 0 < args.active_fraction <= 1:
-        raise CarnatorError("--active-fraction must lie in (0, 1]")
-    from .bench.scale import BASELINES
-
-    baselines = tuple(b for b in args.baselines.split(",") if b) if args.baselines != "none" else ()
-    unknown = sorted(set(baselines) - set(BASELINES))
-    if unknown:
-        raise CarnatorError(f"--baselines: unknown {', '.join(unknown)}; choose from {', '.join(BASELINES)} (or none)")
-    if not 0 < args.nirvana_resume_step < 50:
-        raise CarnatorError(f"--nirvana-resume-step is a step of 50 in [1, 50), got {args.nirvana_resume_step}")
-    flex_options = _flex_options_arg("--flex-options", args.flex_options, many=False)
-    kernel_sweep = _flex_options_arg("--kernel-sweep", args.kernel_sweep, many=True) or []
-    cfg = ScaleConfig(model=args.model, frames=args.frames, steps=args.steps, densities=dens, active_fraction=args.active_fraction,
-                      resume_step=args.resume_step, mask_stride=args.mask_stride, kernels=not args.no_kernels, device=args.device,
-                      intra_cache=args.intra_cache, flex_options=flex_options, kernel_sweep=kernel_sweep, sparse_kernel=args.sparse_kernel,
-                      baselines=baselines, nirvana_resume_step=args.nirvana_resume_step)
-    rep = run_scale(cfg, Path(args.out))
-    print(to_markdown(rep))
-    return 0
-
-
-def _flex_options_arg(flag: str, text: str | None, *, many: bool):
-    """``--flex-options`` (a JSON object) or ``--kernel-sweep`` (a JSON list of objects), checked like the kernels will."""
-    import json
-
-    from .attention.kernels import check_flex_kernel_options
-
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CarnatorError(f"{flag} must be JSON ({e.msg} at character {e.pos}), got {text!r}") from None
-    sets = value if many else [value]
-    if many and not isinstance(value, list):
-        raise CarnatorError(f"{flag} must be a JSON list of objects, e.g. '[{{\"USE_TMA\": true}}]'")
-    for opts in sets:
-        try:
-            check_flex_kernel_options(opts)
-        except ValueError as e:
-            raise CarnatorError(f"{flag}: {e}") from None
-    return value
 
 
 def _bank(args):
@@ -609,18 +597,36 @@ def _confirm_clear(bank, args) -> bool:
     return input(f"delete {what}? [y/N] ").strip().lower() in ("y", "yes")
 
 
-def _add_rule_args(p: argparse.ArgumentParser, help_fidelity: str, help_artifact: str) -> None:
-    """--delta-fidelity / --delta-artifact, defaulting to :class:`~carnator.quality.QualityRule`'s."""
-    from .quality import QualityRule
+def _add_judge_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--judge", default=None, metavar="NAME[=ARG]",
+                   help="the quality judge: clip=DIR (CLIP-T from a local CLIP model directory), or a judge a package registers "
+                        "(the lab's shapes-world judge: shapes). Default: shapes for the embedded model, else required")
+    p.add_argument("--quality", action="append", default=[], metavar="SCORE=DELTA",
+                   help=f"{what}: a reuse is acceptable iff each named judge score loses at most DELTA against dense on the same "
+                        "request (repeatable; default: the judge's own rule, e.g. fidelity=0.1 and artifact=0.02 for shapes)")
 
-    p.add_argument("--delta-fidelity", type=float, default=QualityRule.delta_fidelity, help=help_fidelity)
-    p.add_argument("--delta-artifact", type=float, default=QualityRule.delta_artifact, help=help_artifact)
 
+def _quality_rule(args, judge):
+    from .judges import QualityRule
 
-def _quality_rule(args):
-    from .quality import QualityRule
-
-    return QualityRule(args.delta_fidelity, args.delta_artifact)
+    deltas = dict(getattr(judge, "default_deltas", {}) or {})
+    if args.quality:
+        deltas = {}
+        for item in args.quality:
+            k, sep, v = item.partition("=")
+            try:
+                deltas[k.strip()] = float(v)
+            except ValueError:
+                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA, e.g. clip_t=0.02") from None
+            if not sep:
+                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA, e.g. clip_t=0.02")
+    if not deltas:
+        raise CarnatorError(f"--quality: the {judge.name} judge has no default rule; name its scores, e.g. "
+                            + " ".join(f"--quality {k}=0.02" for k in judge.directions))
+    try:
+        return QualityRule.for_judge(judge, **deltas)
+    except ValueError as e:
+        raise CarnatorError(f"--quality: {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -676,15 +682,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from what OUT/cache holds from an earlier run (the demo then says it replays)")
     d.set_defaults(func=cmd_demo)
 
-    k = sub.add_parser("calibrate", help="select and certify compatibility thresholds (embedded model)")
+    k = sub.add_parser("calibrate", help="select and certify compatibility thresholds for a model, its prompts and a judge",
+                       description="Draw request pairs from a prompt log as recall draws them in service (or read them from a "
+                                   "pairs file), generate each densely and through a forced reuse, judge both, then select "
+                                   "thresholds on one split and certify them on the other (Clopper-Pearson). Resumable: an "
+                                   "interrupted run continues where it stopped. Writes thresholds.json for --option "
+                                   "carnator.thresholds=PATH (docs/CALIBRATION.md).")
     _add_gen_args(k)
-    k.add_argument("--pairs", type=int, default=100, help="request-cache pairs (paper: 30 selection + 70 certification)")
-    k.add_argument("--pairs-from", choices=["stream", "edits"], default="stream",
-                   help="stream: each request of a bench-mix stream paired with the cached request recall hands the compatibility "
-                        "test first, as deployed; edits: each pair an edit of one scene (default %(default)s)")
-    k.add_argument("--warm", type=int, default=100, help="warm requests the stream recalls from (--pairs-from stream; default %(default)s)")
-    k.add_argument("--steps", type=int, default=None)
-    k.add_argument("--resume-step", type=int, default=None)
+    k.add_argument("--prompts", default=None, metavar="FILE",
+                   help="a prompt log (one prompt per line, or JSON lines with prompt and seed): its first --warm prompts are "
+                        "the cache, each later one is paired with the cached prompt recall hands the compatibility test first")
+    k.add_argument("--pairs-file", default=None, metavar="FILE",
+                   help="pairs to generate instead: JSON lines with kind, source, source_seed, target, target_seed")
+    k.add_argument("--pairs", type=int, default=100, help="request-cache pairs (paper: 30 selection + 70 certification; default %(default)s)")
+    k.add_argument("--warm", type=int, default=100, help="prompts of the log that form the cache (--prompts; default %(default)s)")
+    k.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    k.add_argument("--frames", type=int, default=None, help="frames per clip (default: the model's)")
+    k.add_argument("--height", type=int, default=None, help="clip height (default: the model's)")
+    k.add_argument("--width", type=int, default=None, help="clip width (default: the model's)")
+    k.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
+    k.add_argument("--resume-step", type=int, default=None, help="the step a reuse resumes at (default: the policy's, 30)")
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
     k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",
@@ -695,8 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the selection split, with one threshold (default %(default)s; docs/METHOD.md)")
     k.add_argument("--no-text-threshold", dest="text_threshold", action="store_false",
                    help="calibrate the paper's four signature thresholds only, leaving the recall-similarity one off")
-    _add_rule_args(k, "quality rule: a reuse is acceptable iff its judge fidelity >= dense's - this (default %(default)s) ...",
-                   "... and its artifact score <= dense's + this (default %(default)s)")
+    _add_judge_args(k, "the quality rule")
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
     k.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="generate the pairs in N worker processes (set OMP_NUM_THREADS so that N x threads fits the cores)")
@@ -704,23 +720,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
     k.add_argument("--select-only", action="store_true",
                    help="generate no pairs: select and certify from every pair already in --out (e.g. under another --rule, "
-                        "--delta or quality rule; --pairs, --pairs-from and --warm are then taken from the folder)")
+                        "--delta or quality rule)")
     k.set_defaults(shard=None)  # set by _worker only
     k.set_defaults(func=cmd_calibrate)
 
-    b = sub.add_parser("bench", help="compare policies on one shapes-world trace (warm cache + test stream)")
+    b = sub.add_parser("bench", help="compare policies on one workload (warm caches + a test stream), with a judge",
+                       description="Fill each policy's cache with the warm requests (as misses), run the test stream through "
+                                   "every policy in the same order and report hit rate, speedups against dense on the same "
+                                   "requests, judge scores and the unsafe-hit rate (report.md/.html/.json).")
     _add_gen_args(b)
+    b.add_argument("--prompts", default=None, metavar="FILE",
+                   help="a prompt file: its first --warm prompts fill the caches, the next --test are the stream")
+    b.add_argument("--trace", default=None, metavar="FILE", help="a trace.json (warm and test requests) instead")
     b.add_argument("--policies", default="dense,nirvana,chorus,chorus2,carnator")
-    b.add_argument("--warm", type=int, default=12, help="warm-cache requests W (paper: 1000)")
-    b.add_argument("--test", type=int, default=12, help="test requests S (paper: 300)")
+    b.add_argument("--warm", type=int, default=12, help="warm-cache requests W (--prompts; paper: 1000)")
+    b.add_argument("--test", type=int, default=None, help="test requests S (--prompts; default: the rest; paper: 300)")
     b.add_argument("--steps", type=int, default=None)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--frames", type=int, default=None, help="frames per clip (default: the model's)")
+    b.add_argument("--height", type=int, default=None, help="clip height (default: the model's)")
+    b.add_argument("--width", type=int, default=None, help="clip width (default: the model's)")
+    b.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
     b.add_argument("--out", default="carnator-bench", help="output folder (trace.json, requests.jsonl, report.json/.md/.html, clips/)")
     b.add_argument("--keep-clips", type=int, default=4, metavar="N",
                    help="keep GIF clips of dense and every policy for the first N hits of each policy, shown side by side "
                         "in report.html (default 4; 0: none)")
-    _add_rule_args(b, "a hit is unsafe when its judge fidelity is below dense's by more than this (calibrate's rule; default %(default)s) ...",
-                   "... or its artifact score above dense's by more than this (default %(default)s)")
+    _add_judge_args(b, "a hit is unsafe unless the rule accepts it")
     b.add_argument("--report-only", action="store_true", help="only rewrite report.html from the finished run in --out")
     b.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="run the policies in N processes at once (each loads the model; on a GPU the small embedded model "
@@ -734,37 +758,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_intra_cache_arg(b)
     b.set_defaults(func=cmd_bench)
 
-    z = sub.add_parser("bench-scale", help="real-size speed on a CUDA GPU: dense vs replayed carnator hits, and kernels")
-
-    def spec_names() -> str:
-        from .bench.scale import SPECS
-
-        return "one of: " + ", ".join(SPECS) + " (tiny-*: CPU-sized smoke tests of the same path)"
-
-    z.add_argument("model", nargs="?", default="wan2.1-1.3b", help=spec_names)
-    z.add_argument("--frames", type=int, default=None, help="fewer frames than the model's default (state it when reporting)")
-    z.add_argument("--steps", type=int, default=50)
-    z.add_argument("--densities", default="0.1,0.2,0.3,0.5", help="block-mask densities of the replayed hits")
-    z.add_argument("--active-fraction", type=float, default=0.3, help="Active share of tokens in the replayed plan")
-    z.add_argument("--resume-step", type=int, default=None, help="the replayed plan's resume step (default: carnator's, 30)")
-    z.add_argument("--mask-stride", type=int, default=5, help="masks recorded every N steps")
-    z.add_argument("--no-kernels", action="store_true", help="skip the kernel microbenchmark")
-    z.add_argument("--baselines", default="nirvana,chorus,chorus2",
-                   help="cross-request baselines also timed as replayed hits (comma-separated, or none)")
-    z.add_argument("--nirvana-resume-step", type=int, default=25,
-                   help="the step (of 50) NIRVANA's replayed hit resumes at (25: its table's best case)")
-    z.add_argument("--intra-cache", default=None, metavar="SPEC",
-                   help="also time a diffusers intra-request cache alone and composed with a hit (e.g. taylorseer; "
-                        "residual-driven kinds skip arbitrarily with random weights)")
-    z.add_argument("--flex-options", default=None, metavar="JSON",
-                   help='FlexAttention kernel_options for every flex call, e.g. \'{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}\'')
-    z.add_argument("--kernel-sweep", default=None, metavar="JSON",
-                   help='more kernel_options sets timed in the kernel microbenchmark, a JSON list, e.g. \'[{"USE_TMA": true}]\'')
-    z.add_argument("--sparse-kernel", choices=["auto", "flex"], default="auto",
-                   help="the CUDA block-sparse kernel: auto (the Triton kernel where it serves) or flex")
-    z.add_argument("--device", default="cuda")
-    z.add_argument("--out", default="carnator-bench-scale")
-    z.set_defaults(func=cmd_bench_scale)
 
     c = sub.add_parser("cache", help="inspect or manage the cache",
                        description="ls: list entries; stats: counts, bytes and settings; verify: check every entry "

@@ -137,7 +137,7 @@ class Program:
                 state.attention.preload(masks, state.latents.device)
         region = None
         if plan.region is not None:
-            region = _Region(plan.region, adapter, req, tensors, plan.window_layers, record_step)
+            region = _Region(plan.region, adapter, req, tensors, plan.window_layers, (record_step, None if record is None else record.layer))
             if region.unusable:
                 return None
         return cls(capture=plan.capture, record_step=record_step, record=record, phases=plan.phases, masks=masks,
@@ -206,11 +206,11 @@ class _Region:
     weight W) and the window plan; resolved at once, or after the record step for recorded regions."""
 
     def __init__(self, spec: RegionSpec, adapter: BackboneAdapter, req: Request, tensors: Mapping[str, torch.Tensor],
-                 window_layers: tuple[float, float] | None, record_step: int | None):
+                 window_layers: tuple[float, float] | None, record_at: tuple[int | None, int | None]):
         self.spec, self.adapter = spec, adapter
         self.grid = tuple(adapter.token_grid(req))
         self.window_layers = window_layers
-        self.record_step = record_step
+        self.record_at = record_at  # (step, layer) of the record recorded regions read
         self.tensors = tensors
         self.masks = [m for m in spec.masks if m is not None and tuple(m.shape) == self.grid]
         for name in spec.source_masks:
@@ -226,11 +226,11 @@ class _Region:
             self._finish()
 
     def resolve_recorded(self, state: DenoiseState) -> None:
-        """Read the recorded regions (the record of ``record_step``) and the source's stored responses."""
+        """Read the recorded regions (the record at ``record_at``) and the source's stored responses."""
         from .reuse import cross_attention_region
 
         rec = self.spec.recorded
-        ev = state.attention.record.evidence.get(self.record_step)
+        ev = state.attention.record.evidence.get(self.record_at)
         n = int(np.prod(self.grid))
         if ev is not None and ev.cross is not None:
             for positions in rec.positions:

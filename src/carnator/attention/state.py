@@ -149,10 +149,10 @@ class Amplification:
 @dataclass(frozen=True)
 class RecordSpec:
     """Probe evidence to record at one forward: the cond branch's cross-attention of every visual token to the
-    text ``positions`` at ``layer`` and, with ``self_attention``, that layer's self-attention Q, K and row
-    log-sum-exps (an :class:`EvidenceRecord`)."""
+    text ``positions`` at ``layer`` (None: at every layer, for measurements) and, with ``self_attention``, that
+    layer's self-attention Q, K and row log-sum-exps (an :class:`EvidenceRecord` per layer)."""
 
-    layer: int
+    layer: int | None
     positions: tuple[int, ...]
     self_attention: bool = True
 
@@ -185,10 +185,10 @@ IDLE = AttentionPlan()
 
 @dataclass
 class AttentionRecord:
-    """What the processors recorded for one request: the evidence of the last recording forward (by step) and
+    """What the processors recorded for one request: the evidence of each recording forward, by (step, layer), and
     the block masks captured so far."""
 
-    evidence: dict[int, EvidenceRecord] = field(default_factory=dict)
+    evidence: dict[tuple[int, int], EvidenceRecord] = field(default_factory=dict)
     captured: BlockMaskSet | None = None
 
 
@@ -242,6 +242,7 @@ class StepAttention:
         self.session = session
         self.step = step
         self.branches = branches
+        self._layer: int | None = None  # the layer of the last recording() that said yes
 
     # ---- what the processors ask ------------------------------------------------------------------------
     @property
@@ -259,11 +260,12 @@ class StepAttention:
 
     @property
     def evidence(self) -> EvidenceRecord | None:
-        return self.session.record.evidence.get(self.step)
+        """The record of the layer now recording (the processors call :meth:`recording` first)."""
+        return self.session.record.evidence.get((self.step, self._layer))
 
     @evidence.setter
     def evidence(self, value: EvidenceRecord) -> None:
-        self.session.record.evidence[self.step] = value
+        self.session.record.evidence[(self.step, self._layer)] = value
 
     def fit_rows(self, batch: int) -> None:
         """Match ``branches`` to a forward that carries fewer rows than announced: an intra-request FasterCache
@@ -273,7 +275,10 @@ class StepAttention:
 
     def recording(self, layer: int, self_attention: bool = False) -> bool:
         r = self.plan.record
-        return r is not None and layer == r.layer and 0 in self.branches and (r.self_attention or not self_attention)
+        yes = r is not None and (r.layer is None or layer == r.layer) and 0 in self.branches and (r.self_attention or not self_attention)
+        if yes:
+            self._layer = layer
+        return yes
 
     def capturing(self, layer: int) -> bool:
         s = self.plan.capture

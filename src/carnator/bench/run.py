@@ -31,15 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..quality import QualityRule
+from ..judges import Judge, QualityRule
 from .report import clip_requests, to_markdown, write_html
 from .traces import Trace
 
 __all__ = ["run_bench", "summarize", "thumbnail", "to_markdown"]
 
 
-def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, steps: int | None = None,
-              rule: QualityRule = QualityRule(), keep_clips: int = 0, progress=print,
+def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, judge: Judge, rule: QualityRule,
+              steps: int | None = None, settings: dict | None = None, keep_clips: int = 0, progress=print,
               only: bool = False, report: bool = True, warm_shard: tuple[int, int] | None = None) -> dict | None:
     """Run ``policies`` (dense first, always included unless ``only``) and, with ``report``, summarize and write
     the report; without ``report`` (a worker of a parallel run) return None once the rows are written.
@@ -49,11 +49,12 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
     the cache are skipped (an interrupted fill resumes); ``warm_shard=(k, n)`` fills only requests k, k + n, ...
     and returns (parallel fills of one cache)."""
     from ..video import write_video
-    from ..world.judge import judge
 
     out.mkdir(parents=True, exist_ok=True)
     trace.save(out / "trace.json")
     log_path = out / "requests.jsonl"
+    kw = dict(settings or {})
+    dense_frames: dict[int, object] = {}  # dense's clip of each test request: the reference of reference scores
     done: dict[tuple[str, int], dict] = {}
     if log_path.exists():
         for line in log_path.read_text().splitlines():
@@ -71,8 +72,8 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 k0, n = warm_shard or (0, 1)
                 todo = trace.warm[k0::n]
                 for k, r in enumerate(todo):
-                    if not eng.is_cached(r.prompt, seed=r.seed, num_inference_steps=steps):
-                        eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, cache="off")
+                    if not eng.is_cached(r.prompt, seed=r.seed, num_inference_steps=steps, **kw):
+                        eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, cache="off", **kw)
                     progress(f"[{pol}] warm {k + 1}/{len(todo)}" + (f" (shard {k0 + 1} of {n})" if n > 1 else ""))
                 if warm_shard is None:
                     (cache / ".warm").write_text("ok")
@@ -83,11 +84,14 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
             for i, r in enumerate(trace.test):
                 if (pol, i) in done:
                     continue
-                res = eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, store=pol != "dense")
-                j = judge(res.frames, r.prompt)
+                res = eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, store=pol != "dense", **kw)
+                ref = dense_frames.get(i) if pol != "dense" else res.frames
+                scores = judge.score(res.frames, r.prompt, reference=ref)
+                if pol == "dense":
+                    dense_frames[i] = res.frames
                 s = res.stats
                 row = {"policy": pol, "i": i, "kind": r.kind, "hit": s.hit, "exact": s.exact_hit, "resume_step": s.resume_step,
-                       "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0), "fidelity": j.fidelity, "artifact": j.artifact,
+                       "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0), **scores,
                        "mask_density": s.mask_density, "active_fraction": s.active_fraction}
                 if s.hit and getattr(s, "source_id", None) is not None:  # which cached request it reused, and why (for per-hit analysis)
                     src = eng.store.get(s.source_id)
@@ -102,7 +106,8 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, s
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 done[(pol, i)] = row
-                progress(f"[{pol}] {i + 1}/{len(trace.test)} {r.kind:9s} hit={s.hit} e2e={row['e2e']:.2f}s fid={j.fidelity:.2f}")
+                progress(f"[{pol}] {i + 1}/{len(trace.test)} {r.kind:9s} hit={s.hit} e2e={row['e2e']:.2f}s "
+                         + " ".join(f"{k}={v:.3f}" for k, v in scores.items()))
             st = eng.store.stats()
             done[(pol, "bytes")] = {"bytes_per_entry": st.bytes / max(st.count, 1)}
     if not report:
@@ -139,29 +144,32 @@ def prune_clips(out: Path, rows: list[dict], order: list[str], n: int) -> list[i
 
 
 def summarize(done, order, n, rule: QualityRule) -> dict:
-    """Per-policy metrics of a finished run; a hit is unsafe when ``rule`` rejects it against dense."""
+    """Per-policy metrics of a finished run; a hit is unsafe when ``rule`` rejects it against dense. For every score the
+    rule names: its mean over all requests and over hits, and dense's mean over the same hits."""
     dense = {i: done[("dense", i)] for i in range(n)}
-    rep = {"requests": n, "delta_fidelity": rule.delta_fidelity, "delta_artifact": rule.delta_artifact, "policies": {}}
+    rep = {"requests": n, "rule": rule.to_dict(), "policies": {}}
+    for k, v in rule.deltas.items():
+        rep[f"delta_{k}"] = v
     for pol in order:
         rows = [done[(pol, i)] for i in range(n)]
         hits = [r for r in rows if r["hit"]]
-        unsafe = [r for r in hits if not rule.acceptable(r["fidelity"], r["artifact"], dense[r["i"]]["fidelity"], dense[r["i"]]["artifact"])]
+        unsafe = [r for r in hits if not rule.acceptable(r, dense[r["i"]])]
 
         def ratio(key, sel):
             a = sum(dense[r["i"]][key] for r in sel)
             b = sum(r[key] for r in sel)
             return a / b if b > 0 else None
 
-        rep["policies"][pol] = {
+        m = {
             "hit_rate": len(hits) / n,
             "workload_e2e_speedup": ratio("e2e", rows), "workload_dit_speedup": ratio("dit", rows),
             "hit_e2e_speedup": ratio("e2e", hits) if hits else None, "hit_dit_speedup": ratio("dit", hits) if hits else None,
-            "fidelity_all": float(np.mean([r["fidelity"] for r in rows])), "artifact_all": float(np.mean([r["artifact"] for r in rows])),
-            "fidelity_hits": float(np.mean([r["fidelity"] for r in hits])) if hits else None,
-            "dense_fidelity_on_hits": float(np.mean([dense[r["i"]]["fidelity"] for r in hits])) if hits else None,
-            "artifact_hits": float(np.mean([r["artifact"] for r in hits])) if hits else None,
-            "dense_artifact_on_hits": float(np.mean([dense[r["i"]]["artifact"] for r in hits])) if hits else None,
             "unsafe_hit_rate": len(unsafe) / len(hits) if hits else None,
             "bytes_per_entry": done.get((pol, "bytes"), {}).get("bytes_per_entry"),
         }
+        for k in rule.deltas:
+            m[f"{k}_all"] = float(np.nanmean([r[k] for r in rows]))
+            m[f"{k}_hits"] = float(np.nanmean([r[k] for r in hits])) if hits else None
+            m[f"dense_{k}_on_hits"] = float(np.nanmean([dense[r["i"]][k] for r in hits])) if hits else None
+        rep["policies"][pol] = m
     return rep

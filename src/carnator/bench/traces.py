@@ -1,11 +1,5 @@
-"""Workload traces in the paper's protocol: a warm cache of W requests, then a disjoint test stream
-of S requests in a fixed order, identical for every policy.
-
-Embedded-world mix (stated, per test request): re-roll of a warm prompt 20 %, noun substitution
-20 %, colour change 10 %, size change 10 %, context change 10 %, motion reversal 10 %, rewording
-10 %, unrelated new scene 10 %. Real sessions are dominated by re-rolls and small edits (the
-VidProM note in shared/data/README.md); the unrelated share keeps misses in the stream.
-"""
+"""Workload traces: a warm cache of W requests, then a test stream of S requests in a fixed order, identical for every
+policy (the paper's protocol). A trace is saved as JSON (``trace.json``) or read from a prompt file."""
 
 from __future__ import annotations
 
@@ -14,12 +8,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
-MIX: tuple[tuple[str, float], ...] = (
-    ("reroll", 0.2), ("noun", 0.2), ("color", 0.1), ("size", 0.1), ("context", 0.1), ("motion", 0.1), ("reword", 0.1), ("unrelated", 0.1),
-)
-
+from ..errors import CarnatorError
 
 @dataclass(frozen=True)
 class TraceRequest:
@@ -47,28 +36,37 @@ class Trace:
         return cls([TraceRequest(**r) for r in d["warm"]], [TraceRequest(**r) for r in d["test"]])
 
 
-def world_trace(warm: int, test: int, seed: int = 0, split: str = "heldout") -> Trace:
-    """A shapes-world trace; test prompts use the held-out split (never seen in training)."""
-    from ..world.captions import caption, edit
-    from ..world.scene import sample_scene
-
-    rng = np.random.default_rng(seed)
-    scenes = [sample_scene(rng, split=split) for _ in range(warm)]
-    w = [TraceRequest(caption(s, rng, split=split), int(rng.integers(1 << 30)), "warm") for s in scenes]
-    kinds, probs = zip(*MIX)
-    t: list[TraceRequest] = []
-    while len(t) < test:
-        kind = str(rng.choice(kinds, p=np.asarray(probs) / sum(probs)))
-        j = int(rng.integers(warm))
-        if kind == "reroll":
-            t.append(TraceRequest(w[j].prompt, int(rng.integers(1 << 30)), kind, j))
-        elif kind == "unrelated":
-            t.append(TraceRequest(caption(sample_scene(rng, split=split), rng, split=split), int(rng.integers(1 << 30)), kind))
-        else:
+def load_prompts(path: str | os.PathLike) -> list[TraceRequest]:
+    """Requests of a prompt file: one prompt per line (seed = its line number), or JSON lines ``{"prompt": ..., "seed":
+    ...}`` (the seed optional); blank lines and lines starting with ``#`` are skipped."""
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CarnatorError(f"cannot read the prompt file {p}: {e}") from None
+    out = []
+    for k, line in enumerate(lines):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        if text.startswith("{"):
             try:
-                e = edit(scenes[j], kind, rng, caption_split=split)
-            except ValueError:
-                continue
-            # The edit re-captions the source; keep the warm wording for the source side by using the target only.
-            t.append(TraceRequest(e.target_text, int(rng.integers(1 << 30)), kind, j))
-    return Trace(w, t)
+                d = json.loads(text)
+                out.append(TraceRequest(str(d["prompt"]), int(d.get("seed", k)), str(d.get("kind", "prompt"))))
+            except (ValueError, KeyError, TypeError) as e:
+                raise CarnatorError(f"{p}, line {k + 1}: expected a JSON object with a prompt ({e})") from None
+        else:
+            out.append(TraceRequest(text, k, "prompt"))
+    if not out:
+        raise CarnatorError(f"the prompt file {p} holds no prompt")
+    return out
+
+
+def prompt_trace(path: str | os.PathLike, warm: int, test: int | None = None) -> Trace:
+    """A trace of a prompt file: its first ``warm`` requests warm the cache, the next ``test`` (default: the rest) are
+    the stream."""
+    reqs = load_prompts(path)
+    if warm >= len(reqs):
+        raise CarnatorError(f"the prompt file {path} holds {len(reqs)} prompts; --warm {warm} leaves none for the stream")
+    stream = reqs[warm:] if test is None else reqs[warm:warm + test]
+    return Trace([TraceRequest(r.prompt, r.seed, "warm") for r in reqs[:warm]], list(stream))

@@ -299,7 +299,7 @@ class ChorusPolicy(Policy):
         """This request's cross-attention response per noun and attribute at step r (float32, (N,)), and the nouns."""
         step, layer = self._record(inputs)
         extra = {"chorus": {"record_step": step, "record_layer": layer}}
-        ev = record.evidence.get(step)
+        ev = record.evidence.get((step, layer))
         tensors = {}
         if ev is not None and ev.cross is not None:
             for w, pos in inputs.word_positions.items():

@@ -38,7 +38,7 @@ def probe(adapter: BackboneAdapter, state: DenoiseState, cond: Conditioning, req
     record = RecordSpec(layer, tuple(sorted({p for ps in positions.values() for p in ps})))
     run_steps(adapter, state, cond, req, spec.steps, program=Program.probe(spec.steps, record, sparse), capture=capture,
               progress=progress, cancel=cancel)
-    ev = state.attention.record.evidence.pop(spec.steps - 1, None)
+    ev = state.attention.record.evidence.pop((spec.steps - 1, layer), None)
     return Evidence(positions=dict(positions), record=ev, step=spec.steps - 1)
 
 

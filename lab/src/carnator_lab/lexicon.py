@@ -1,0 +1,34 @@
+"""The embedded model's caption lexicon (``carnator/embedded/lexicon.json``), generated from the shapes world: the
+library reads nouns of the embedded model's prompts from it without importing the world."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import carnator
+
+LEXICON_PATH = Path(carnator.__file__).resolve().parent / "embedded" / "lexicon.json"
+
+
+def lexicon() -> dict:
+    """The lexicon document: the world's vocabulary and every phrase its captions use, with the nouns of object and
+    place phrases (as :func:`carnator_lab.world.captions.nouns` reads them)."""
+    from .world import captions as c
+
+    phrases = []
+    for words, (kind, _value) in sorted(c._LEXICON.items()):
+        noun = None
+        if kind == "shape":
+            noun = words[0]
+        elif kind == "background":
+            noun = c._PLACE_NOUN.get(words, words[-1])
+        phrases.append({"words": " ".join(words), "kind": {"shape": "object", "background": "place"}.get(kind, kind), "noun": noun})
+    return {"about": "The embedded model's caption lexicon: every phrase its captions use, longest match first; nouns of object and "
+                     "place phrases (the noun filter's input). Generated from the shapes world by `carnator-lab export-lexicon`; "
+                     "a lab test keeps the two equal.",
+            "vocabulary": c.vocabulary(), "phrases": phrases}
+
+
+def write_lexicon(path: Path = LEXICON_PATH) -> None:
+    Path(path).write_text(json.dumps(lexicon(), indent=0) + "\n")

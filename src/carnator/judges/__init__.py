@@ -1,0 +1,122 @@
+"""Quality judges and the rule that labels a reuse acceptable or unsafe against dense on the same request.
+
+A :class:`Judge` scores a clip against its prompt (and, for reference metrics, against the dense clip of the same
+request) with named scores, each with a direction (higher or lower is better). A :class:`QualityRule` names the scores
+it checks and how much each may lose against dense (the paper's Delta). One rule serves ``carnator calibrate``
+(labels for threshold selection and certification) and ``carnator bench`` (the unsafe-hit rate), and every thresholds
+file records the rule and the judge's identity.
+
+Judges are found by name (:func:`get_judge`): the ones shipped here, and any a package registers under the entry-point
+group ``carnator.judges`` (the lab's shapes-world judge is ``shapes``): ``NAME`` or ``NAME=ARG`` (e.g. a model
+directory).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import CarnatorError
+
+__all__ = ["Judge", "QualityRule", "available_judges", "get_judge", "register_judge"]
+
+HIGHER, LOWER = 1, -1
+
+
+@runtime_checkable
+class Judge(Protocol):
+    """Scores clips. ``name``: its registry name; ``identity``: what a thresholds file is bound to (the judge and, for a
+    model-based judge, a hash of its weights); ``directions``: each score's better direction (+1 higher, -1 lower)."""
+
+    name: str
+    identity: str
+    directions: Mapping[str, int]
+
+    def score(self, frames: np.ndarray, prompt: str, reference: np.ndarray | None = None) -> dict[str, float]:
+        """Named scores of ``frames`` (uint8, T x H x W x 3) for ``prompt``; ``reference`` is the dense clip of the same
+        request (reference scores need it; others ignore it)."""
+
+
+@dataclass(frozen=True)
+class QualityRule:
+    """A reuse is acceptable iff, for every score named in ``deltas``, it loses at most that much against dense on the
+    same request: ``reuse >= dense - delta`` where higher is better, ``reuse <= dense + delta`` where lower is (the
+    direction from ``directions``, default higher). NaN scores (a prompt the judge cannot read) compare as equal."""
+
+    deltas: Mapping[str, float]
+    directions: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.deltas:
+            raise ValueError("QualityRule needs at least one score with its delta")
+        for k, v in self.deltas.items():
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"QualityRule: the delta of {k!r} must be a finite number >= 0, got {v!r}")
+        object.__setattr__(self, "deltas", dict(self.deltas))
+        object.__setattr__(self, "directions", {k: int(self.directions.get(k, HIGHER)) for k in self.deltas})
+
+    @classmethod
+    def for_judge(cls, judge: Judge, **deltas: float) -> QualityRule:
+        """A rule over ``deltas`` (score name -> delta) with ``judge``'s directions; unknown score names are an error."""
+        unknown = sorted(set(deltas) - set(judge.directions))
+        if unknown:
+            raise CarnatorError(f"judge {judge.name} has no score {', '.join(unknown)}; it has {', '.join(judge.directions)}")
+        return cls(deltas, {k: judge.directions[k] for k in deltas})
+
+    def acceptable(self, reuse: Mapping[str, Any], dense: Mapping[str, Any]):
+        """The rule on one reuse (floats -> bool) or elementwise on arrays (-> bool array)."""
+        ok = True
+        for k, delta in self.deltas.items():
+            r, d = np.asarray(reuse[k], dtype=float), np.asarray(dense[k], dtype=float)
+            fine = (r >= d - delta) if self.directions[k] > 0 else (r <= d + delta)
+            ok = ok & (fine | np.isnan(r) & np.isnan(d))
+        return bool(ok) if np.ndim(ok) == 0 else ok
+
+    def label(self, row: Mapping[str, Any]) -> bool:
+        """The rule on a stored calibration row (its ``dense`` and ``reuse`` scores)."""
+        return bool(self.acceptable(row["reuse"], row["dense"]))
+
+    def describe(self) -> str:
+        return " and ".join(f"{k} {'>=' if self.directions[k] > 0 else '<='} dense {'-' if self.directions[k] > 0 else '+'} {d:g}"
+                            for k, d in self.deltas.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"deltas": dict(self.deltas), "directions": dict(self.directions)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QualityRule:
+        return cls(d["deltas"], d.get("directions", {}))
+
+
+_JUDGES: dict[str, Callable[[str | None], Judge]] = {}
+
+
+def register_judge(name: str, factory: Callable[[str | None], Judge]) -> None:
+    """Make ``factory(arg)`` available as ``get_judge("NAME[=ARG]")``."""
+    _JUDGES[name] = factory
+
+
+def _entry_points() -> dict[str, Any]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group="carnator.judges")}
+
+
+def available_judges() -> list[str]:
+    return sorted(set(_JUDGES) | set(_entry_points()))
+
+
+def get_judge(spec: str) -> Judge:
+    """The judge named by ``spec`` ("NAME" or "NAME=ARG"); CarnatorError naming the ones available otherwise."""
+    name, _, arg = str(spec).partition("=")
+    factory = _JUDGES.get(name)
+    if factory is None:
+        ep = _entry_points().get(name)
+        if ep is None:
+            raise CarnatorError(f"unknown judge {name!r}; available: {', '.join(available_judges()) or 'none'}")
+        factory = ep.load()
+    return factory(arg or None)
