@@ -280,24 +280,30 @@ class SqliteJobStore:
             return False
 
     def _ensure_reserve(self) -> None:
-        """(Re)create the reserve when the disk has room for it and more; clears the low-space state then."""
-        if self._reserve.exists() and self._reserve.stat().st_size >= RESERVE_BYTES:
-            self._low_space = False
-            return
+        """(Re)create the reserve when the disk has room for it; the store is low on space (refusing new jobs) while
+        less than the reserve's size is free besides it."""
         try:
             st = os.statvfs(self.root)
-            if st.f_bavail * st.f_frsize < 4 * RESERVE_BYTES:
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
+        have = self._reserve.exists() and self._reserve.stat().st_size >= RESERVE_BYTES
+        if not have:
+            if free < 4 * RESERVE_BYTES:
                 self._low_space = True
                 return
-            tmp = self._reserve.with_name(RESERVE_FILE + ".part")
-            with open(tmp, "wb") as f:
-                f.write(b"\0" * RESERVE_BYTES)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(self._reserve)
-            self._low_space = False
-        except OSError:
-            self._low_space = True
+            try:
+                tmp = self._reserve.with_name(RESERVE_FILE + ".part")
+                with open(tmp, "wb") as f:
+                    f.write(b"\0" * RESERVE_BYTES)
+                    f.flush()
+                    os.fsync(f.fileno())
+                tmp.replace(self._reserve)
+            except OSError:
+                self._low_space = True
+                return
+            free -= RESERVE_BYTES
+        self._low_space = free < RESERVE_BYTES
 
     def _log(self, c: sqlite3.Connection, job_id: str, kind: str, attempt: int, detail: str | None = None) -> None:
         c.execute("INSERT INTO job_log (job_id, kind, attempt, at, detail) VALUES (?, ?, ?, ?, ?)",
