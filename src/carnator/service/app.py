@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from ..errors import CarnatorError
 from ..request import SEED_MAX, SEED_MIN
@@ -226,7 +227,14 @@ def create_app(service: "Service") -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
         msg = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail).splitlines()[0])
-        return error_response(exc.status_code, kind, msg, getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method of every route of this path (Starlette names the first route's)
+            allowed = set()
+            for route in app.router.routes:
+                if route.matches(request.scope)[0] != Match.NONE:
+                    allowed |= set(getattr(route, "methods", None) or ())
+            headers["Allow"] = ", ".join(sorted(allowed))
+        return error_response(exc.status_code, kind, msg, headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
