@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -76,6 +77,11 @@ def test_ctrl_c_requeues_the_running_job_ends_streams_and_exits_0(tmp_path):
     srv = ServerProcess(cache)
     try:
         running = submit(srv.url, seed=2, num_inference_steps=200, cache="off")
+        # one server per cache directory: a second is refused in one line
+        second = subprocess.run([sys.executable, "-m", "carnator.cli", "serve", "--port", "0", "--cache-dir", str(cache)],
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and second.stderr.strip() == (
+            f"carnator: error: another carnator serve (pid {srv.pid}) uses the cache directory {cache}"), second.stderr
         wait_progress(srv.url, running)
         events: list[str] = []
 

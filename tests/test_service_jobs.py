@@ -209,3 +209,24 @@ def test_full_disk_refuses_new_jobs_but_finishes_accepted_ones(small_disk):
     assert s.healthy() is None  # room again: the reserve is back, new jobs are taken
     assert s.submit("a", P)[1]
     s.close()
+
+
+def test_serve_command_line_mistakes_are_one_line(tmp_path, capsys):
+    from carnator.cli import main
+
+    def err(*argv) -> str:
+        assert main(["serve", "--cache-dir", str(tmp_path / "c"), *argv]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("carnator: error: "), lines
+        return lines[0]
+
+    assert "loopback only" in err("--host", "0.0.0.0")
+    assert "no such file" in err("--keys", str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert "must map API keys to tenants" in err("--keys", str(bad))
+    bad.write_text('{"short": "t"}')
+    assert "at least 8 characters" in err("--keys", str(bad))
+    bad.write_text("{nope")
+    assert "is not JSON" in err("--keys", str(bad))
+    assert "expected an integer" in err("--port", "70000")

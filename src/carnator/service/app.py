@@ -179,7 +179,8 @@ def create_app(service: "Service") -> FastAPI:
     app = FastAPI(title="Carnator video jobs", version=service.version, lifespan=lifespan,
                   description="Text-to-video jobs with a cross-request cache scoped by tenant (carnator serve).",
                   docs_url="/docs", redoc_url=None)
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes,
+                       on_reject=lambda: service.metrics.rejections.labels(reason="too_large").inc())
     VideoRequest = _request_model(service.policies, service.max_steps)
 
     # -- auth ---------------------------------------------------------------------------------
@@ -192,6 +193,7 @@ def create_app(service: "Service") -> FastAPI:
 
         def tenant_of(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> str:
             if creds is None or not creds.credentials:
+                service.metrics.rejections.labels(reason="unauthorized").inc()
                 raise ApiError(401, "unauthorized", "missing API key: send the header Authorization: Bearer KEY",
                                {"WWW-Authenticate": "Bearer"})
             given, found = creds.credentials.encode(), None
@@ -411,8 +413,8 @@ def create_app(service: "Service") -> FastAPI:
 class BodyLimit:
     """413 for a request body over ``limit`` bytes (declared or streamed); 400 for a bad Content-Length."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, on_reject=None):
+        self.app, self.limit, self.on_reject = app, limit, on_reject or (lambda: None)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -422,6 +424,7 @@ class BodyLimit:
             if not declared.isdigit():
                 return await error_response(400, "bad_request", "bad Content-Length")(scope, receive, send)
             if int(declared) > self.limit:
+                self.on_reject()
                 return await _too_large(self.limit)(scope, receive, send)
         seen = 0
         started = False
@@ -444,6 +447,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited, tracking_send)
         except _TooLarge:
+            self.on_reject()
             if not started:
                 await _too_large(self.limit)(scope, receive, send)
 
