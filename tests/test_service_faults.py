@@ -76,12 +76,17 @@ def test_ctrl_c_requeues_the_running_job_ends_streams_and_exits_0(tmp_path):
     cache = tmp_path / "cache"
     srv = ServerProcess(cache)
     try:
-        running = submit(srv.url, seed=2, num_inference_steps=200, cache="off")
+        running = submit(srv.url, seed=2, num_inference_steps=400, cache="off")
         # one server per cache directory: a second is refused in one line
         second = subprocess.run([sys.executable, "-m", "carnator.cli", "serve", "--port", "0", "--cache-dir", str(cache)],
                                 capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and second.stderr.strip() == (
             f"carnator: error: another carnator serve (pid {srv.pid}) uses the cache directory {cache}"), second.stderr
+        port = srv.url.rsplit(":", 1)[1]
+        third = subprocess.run([sys.executable, "-m", "carnator.cli", "serve", "--port", port, "--cache-dir",
+                                str(tmp_path / "other")], capture_output=True, text=True, timeout=120)
+        assert third.returncode == 2 and third.stderr.strip() == (
+            f"carnator: error: could not listen on 127.0.0.1:{port} (in use, or not an address of this host)"), third.stderr
         wait_progress(srv.url, running)
         events: list[str] = []
 

@@ -213,12 +213,23 @@ def run(config: ServeConfig, *, out: Callable[[str], None] | None = None) -> int
         app = create_app(service)
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
                                         timeout_graceful_shutdown=5, access_log=False), service, say)
-        server.run()
+        logging.getLogger("uvicorn.error").addFilter(_NoBindError())
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's way out when it cannot bind (it logged why)
+            server.started = False
         if not server.started:
             raise CarnatorError(f"could not listen on {config.host}:{config.port} (in use, or not an address of this host)")
         n = len(service.pool.drained)
         say(f"carnator: stopped{f'; {n} running job(s) requeued for the next start' if n else ''}")
     return 0
+
+
+class _NoBindError(logging.Filter):
+    """uvicorn's own line for a port it cannot bind: ``run`` says it in carnator's one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "while attempting to bind" not in record.getMessage()
 
 
 class _Server:
@@ -241,7 +252,8 @@ class _Server:
                         f"at http://{shown}:{port}/ ({auth}; Ctrl-C stops)")
 
             def handle_exit(self, sig, frame) -> None:
-                service.begin_shutdown()
+                # not in the signal handler itself: it may have interrupted a thread holding a lock begin_shutdown takes
+                threading.Thread(target=service.begin_shutdown, name="carnator-drain", daemon=True).start()
                 super().handle_exit(sig, frame)
 
             @contextlib.contextmanager

@@ -211,7 +211,7 @@ class WorkerPool:
         while not self._draining.is_set():
             try:
                 job = self.queue.next(worker)
-            except (JobStoreError, OSError, Exception) as exc:  # a busy or full store: wait and try again
+            except Exception as exc:  # a busy or full store: wait and try again
                 log.warning("worker %s could not take a job: %s", dev.name, exc)
                 job = None
             if job is None:
