@@ -178,7 +178,7 @@ def create_app(service: "Service") -> FastAPI:
 
     app = FastAPI(title="Carnator video jobs", version=service.version, lifespan=lifespan,
                   description="Text-to-video jobs with a cross-request cache scoped by tenant (carnator serve).",
-                  docs_url="/docs", redoc_url=None)
+                  docs_url=None, redoc_url=None)  # (their pages load scripts from a CDN; the schema is at /openapi.json)
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes,
                        on_reject=lambda: service.metrics.rejections.labels(reason="too_large").inc())
     VideoRequest = _request_model(service.policies, service.max_steps)
