@@ -243,6 +243,10 @@ def cmd_generate(args) -> int:
     if out.is_dir():
         raise CarnatorError(f"--out {str(out)!r} is a directory")
     check_fps(args.fps, out)  # before the model loads
+    if args.server:
+        from .client import generate_command
+
+        return generate_command(args, out)
     eng = _engine(args)
     bar = None
 
@@ -665,6 +669,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="print every detail (timings, discrepancies, notes) under the summary line; carnator's debug logging")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--server", default=None, metavar="URL",
+                   help="run the job on a carnator serve at URL instead of here (--model, --cache-dir, --device, "
+                        "--capacity, --option, --intra-cache and --no-store stay the server's; --tenant is the API key's)")
+    g.add_argument("--api-key", default=os.environ.get("CARNATOR_API_KEY"), metavar="KEY",
+                   help="--server's API key (default: $CARNATOR_API_KEY)")
     _add_intra_cache_arg(g)
     g.set_defaults(func=cmd_generate)
 
@@ -770,7 +779,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--eviction", default=None, choices=EVICTIONS, help="config: which entries go first when full")
     c.add_argument("-y", "--yes", action="store_true", help="clear: delete without asking")
     c.set_defaults(func=cmd_cache)
+
+    s = sub.add_parser("serve", help="the video jobs service: HTTP API, live events, web page, metrics (docs/SERVING.md)",
+                       description="Serve text-to-video jobs over HTTP (OpenAI-style /v1/videos) with the cross-request "
+                                   "cache, a web page at / and Prometheus metrics at /metrics; prints the URL. Needs the "
+                                   "serve extra: pip install 'carnator[serve]'.")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; without --keys: loopback only)")
+    s.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: %(default)s; 0: any free port, printed)")
+    s.add_argument("--model", default="embedded", help='"embedded" (default) or a local diffusers pipeline directory')
+    s.add_argument("--cache-dir", default=None, help="cache directory, also holding the job table (jobs.sqlite) and the "
+                                                     "finished videos (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
+    s.add_argument("--keys", default=None, metavar="keys.json", help='API keys: {"key": "tenant", ...}; each tenant has its '
+                                                                    "own cache and jobs (default: no auth, one tenant 'default')")
+    s.add_argument("--max-queue", type=_int_in(1, 1_000_000), default=64, help="jobs waiting at most; past it 429 (default: %(default)s)")
+    s.add_argument("--max-queue-per-tenant", type=_int_in(1, 1_000_000), default=None, metavar="N",
+                   help="jobs one tenant may have waiting (default: --max-queue, or half of it with --keys)")
+    s.add_argument("--device", default="cpu", help="cpu (default), cuda (one worker per visible GPU) or cuda:N")
+    s.add_argument("--allow-uncertified", action="store_true",
+                   help="let approximate reuse rest on thresholds no certified file backs (default: such a reuse is a miss)")
+    s.add_argument("--max-steps", type=_int_in(1, 1000), default=None, metavar="N",
+                   help="most denoising steps a job may ask for (default: the model's limit)")
+    s.add_argument("--max-attempts", type=_int_in(1, 100), default=2, metavar="N",
+                   help="times a job is started before a server stopping mid-job fails it (default: %(default)s)")
+    s.set_defaults(func=cmd_serve)
     return ap
+
+
+def cmd_serve(args) -> int:
+    try:
+        from .service.server import main_args
+    except ImportError as e:  # fastapi, uvicorn, ... (the serve extra)
+        raise CarnatorError(f"carnator serve needs the serve extra: pip install 'carnator[serve]' ({e.name} is missing)") from None
+    return main_args(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,77 @@
+"""Prometheus metrics of ``carnator serve`` (``GET /metrics``).
+
+Labels never carry a tenant, a prompt or a job id: only statuses, policies, tiers, stages and reasons, so that a
+scrape tells the operator how the service does and nothing of what any tenant asked for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+#: the engine stages timed as histograms (``Stats.timings`` keys)
+STAGES = ("exact_lookup", "recall", "probe", "decision", "dit", "decode", "store", "total")
+TIERS = ("exact", "reuse", "miss")
+_LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_WAIT = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class ServiceMetrics:
+    """One registry per service (tests run several services in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("carnator_requests", "Video jobs by status (queued counts submissions) and policy",
+                                ["status", "policy"], registry=r)
+        self.hits = Counter("carnator_cache_hits", "Finished jobs by cache tier: exact (stored video), reuse "
+                            "(approximate: resumed from a cached trajectory) or miss", ["tier"], registry=r)
+        self.steps_skipped = Counter("carnator_steps_skipped", "Denoising steps not computed thanks to the cache", registry=r)
+        self.seconds_saved = Counter("carnator_compute_seconds_saved", "Estimated device seconds saved by the cache "
+                                     "(a dense run's estimate minus the job's time)", ["device"], registry=r)
+        self.stage_seconds = Histogram("carnator_stage_seconds", "Seconds per engine stage of finished jobs", ["stage"],
+                                       buckets=_LATENCY, registry=r)
+        self.queue_wait = Histogram("carnator_queue_wait_seconds", "Seconds from submission to a worker taking the job",
+                                    buckets=_WAIT, registry=r)
+        self.job_seconds = Histogram("carnator_job_seconds", "Seconds a worker spent on a finished job, by tier", ["tier"],
+                                     buckets=_LATENCY, registry=r)
+        self.rejections = Counter("carnator_rejections", "Refused requests by reason", ["reason"], registry=r)
+        self.evictions = Counter("carnator_cache_evictions", "Cache entries removed to make room (or replaced) when "
+                                 "this server stored a result", registry=r)
+        self.store_errors = Counter("carnator_cache_store_errors", "Results that could not be stored in the cache", registry=r)
+        self.requeued = Counter("carnator_jobs_requeued", "Jobs put back in the queue (restart or shutdown)", registry=r)
+        self._lock = threading.Lock()
+
+    def add_gauges(self, job_counts: Callable[[], Mapping[str, int]], cache_stats: Callable[[], Any],
+                   running: Callable[[], int]) -> None:
+        """Gauges read at scrape time: queue depth, running jobs, cache entries and bytes."""
+        self.registry.register(_Gauges(job_counts, cache_stats, running))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Gauges:
+    def __init__(self, job_counts, cache_stats, running) -> None:
+        self._jobs, self._cache, self._running = job_counts, cache_stats, running
+
+    def describe(self) -> Iterable:  # no call at registration (the store may be slow)
+        return []
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        try:
+            counts = self._jobs()
+        except Exception:  # a scrape never fails for a busy or full disk
+            counts = {}
+        yield GaugeMetricFamily("carnator_queue_depth", "Jobs waiting for a worker", value=counts.get("queued", 0))
+        yield GaugeMetricFamily("carnator_running_jobs", "Jobs a worker is running", value=self._running())
+        try:
+            st = self._cache()
+            entries, nbytes = st.count, st.bytes
+        except Exception:
+            entries = nbytes = float("nan")
+        yield GaugeMetricFamily("carnator_cache_entries", "Entries in the cache (every tenant)", value=entries)
+        yield GaugeMetricFamily("carnator_cache_bytes", "Bytes of the cache's entries (every tenant)", value=nbytes)

@@ -1,0 +1,291 @@
+"""``carnator serve``: builds the engines, job store, workers and HTTP app, and runs them under uvicorn.
+
+Start-up: take the cache directory's ``serve.lock`` (one server per cache directory: the job table is its own),
+load the model (one engine per device), recover the jobs a killed server left in progress, start the workers, then
+listen and print the URL. Ctrl-C (or SIGTERM): the running jobs stop at their next step and go back to the queue
+(their attempt not counted), event streams end, the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CarnatorError
+from .events import EventHub
+from .jobs import JobStore, SqliteJobStore
+from .metrics import ServiceMetrics
+from .worker import Device, MeteredStore, WorkerPool
+
+log = logging.getLogger("carnator.service")
+
+LOCK_FILE = "serve.lock"
+
+
+@dataclass
+class ServeConfig:
+    """What ``carnator serve`` takes (its options, as data)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "embedded"
+    cache_dir: str | None = None
+    keys: dict[str, str] | None = None
+    max_queue: int = 64
+    max_queue_per_tenant: int | None = None
+    device: str = "cpu"
+    allow_uncertified: bool = False
+    max_steps: int | None = None
+    max_attempts: int = 2
+    fps: int = 8
+    max_body_bytes: int = 256 * 1024
+    engine_config: dict[str, Any] = field(default_factory=dict)
+
+
+def load_keys(path: str | os.PathLike[str]) -> dict[str, str]:
+    """``keys.json``: ``{"API key": "tenant", ...}``; CarnatorError naming what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CarnatorError(f"--keys {str(path)!r}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CarnatorError(f"--keys {str(path)!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    except ValueError as e:
+        raise CarnatorError(f"--keys {str(path)!r} is not JSON: {e}") from None
+    if not isinstance(data, dict) or not data:
+        raise CarnatorError(f'--keys {str(path)!r} must map API keys to tenants, e.g. {{"key-a": "tenant-a"}}')
+    for k, t in data.items():
+        if not k or not isinstance(t, str) or not t.strip() or any(c.isspace() or not c.isprintable() for c in k):
+            raise CarnatorError(f"--keys {str(path)!r}: every key must be printable text without spaces and every "
+                                "tenant a non-empty string")
+        if len(k) < 8:
+            raise CarnatorError(f"--keys {str(path)!r}: API keys must be at least 8 characters")
+    return dict(data)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def devices_for(device: str) -> list[str]:
+    """``cuda``: every visible GPU (one worker each); ``cuda:N`` or ``cpu``: that one."""
+    if device == "cuda":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise CarnatorError("--device cuda: no CUDA device is available here")
+        return [f"cuda:{i}" for i in range(n)]
+    return [device]
+
+
+class Service:
+    """Everything one server runs: engines (one per device), the job store, workers, event hub and metrics."""
+
+    def __init__(self, config: ServeConfig, *, engines: list[Any] | None = None, store: JobStore | None = None):
+        from .. import __version__
+        from ..cache import default_cache_dir
+        from ..engine import Carnator, EngineSpec
+        from ..policies import policy_names
+
+        self.config = config
+        self.version = __version__
+        self.cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+        self.metrics = ServiceMetrics()
+        self.hub = EventHub()
+        names = devices_for(config.device)
+        if engines is None:
+            spec_config = {"allow_uncertified": config.allow_uncertified, **config.engine_config}
+            engines = [Carnator.from_spec(EngineSpec(model=config.model, device=d, cache_dir=str(self.cache_dir),
+                                                     config=spec_config)) for d in names]
+        for eng in engines:
+            eng.store = MeteredStore(eng.store, self.metrics)
+        self.engine = engines[0]
+        self.store: JobStore = store if store is not None else SqliteJobStore(self.cache_dir)
+        self.pool = WorkerPool(self.store, [Device(n, e) for n, e in zip(names, engines)], self.hub, self.metrics,
+                               fps=config.fps)
+        self.policies = tuple(policy_names())
+        limit = self.engine.adapter.limits().max_steps
+        self.max_steps = min(limit, config.max_steps) if config.max_steps else limit
+        per = config.max_queue_per_tenant
+        if per is None:
+            per = config.max_queue if config.keys is None else max(1, config.max_queue // 2)
+        self.max_queue_per_tenant = per
+        self.metrics.add_gauges(self.store.counts, self.engine.store.stats, self.pool.running)
+        self.recovered: dict[str, list[str]] = {}
+        self._started = False
+
+    def validate(self, params: dict[str, Any], tenant: str) -> None:
+        """InvalidRequestError (a CarnatorError) when the engine would refuse the request."""
+        from ..errors import InvalidRequestError
+
+        steps = params.get("num_inference_steps")
+        if steps is not None and steps > self.max_steps:
+            raise InvalidRequestError(f"num_inference_steps must be at most {self.max_steps} on this server, got {steps}")
+        self.engine.policy(params.get("policy", "carnator"))
+        self.engine.resolve(params["prompt"], seed=params["seed"], tenant=tenant, negative_prompt=params.get("negative_prompt"),
+                            num_inference_steps=steps, num_frames=params.get("num_frames"), height=params.get("height"),
+                            width=params.get("width"), guidance_scale=params.get("guidance_scale"))
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.recovered = self.store.recover(self.config.max_attempts)
+        n = len(self.recovered.get("requeued", []))
+        if n:
+            self.metrics.requeued.inc(n)
+        for kind, ids in self.recovered.items():
+            if ids:
+                log.warning("%d job(s) left in progress by the previous run: %s", len(ids), kind)
+        self.pool.start()
+
+    def begin_shutdown(self) -> None:
+        """At the signal: running jobs stop at their next step (and are requeued), event streams end."""
+        self.pool.drain()
+        self.hub.close()
+
+    def stop(self) -> None:
+        self.begin_shutdown()
+        if not self.pool.stop(timeout=60):
+            log.error("a worker did not stop within 60 s")
+        with contextlib.suppress(Exception):
+            self.store.close()
+
+    def not_ready(self) -> str | None:
+        if self.pool.draining:
+            return "the server is shutting down"
+        if not self.pool.alive():
+            return "no worker is running"
+        return self.store.healthy()
+
+
+@contextlib.contextmanager
+def serve_lock(cache_dir: Path):
+    """One ``carnator serve`` per cache directory (its job table); released when the process ends, however."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise CarnatorError(f"another carnator serve (pid {other}) uses the cache directory {cache_dir}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def run(config: ServeConfig, *, out: Callable[[str], None] | None = None) -> int:
+    """Serve until Ctrl-C or SIGTERM; 0 after a clean stop."""
+    import uvicorn
+
+    from ..cache import default_cache_dir
+
+    say = out or (lambda line: print(line, flush=True))
+    if config.keys is None and not is_loopback(config.host):
+        raise CarnatorError(f"--host {config.host}: without --keys the server has no authentication and binds to "
+                            "loopback only (127.0.0.1 or ::1); pass --keys keys.json to serve other hosts")
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    with serve_lock(cache_dir):
+        service = Service(config)
+        from .app import create_app
+
+        app = create_app(service)
+        server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
+                                        timeout_graceful_shutdown=5, access_log=False), service, say)
+        logging.getLogger("uvicorn.error").addFilter(_NoBindError())
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's way out when it cannot bind (it logged why)
+            server.started = False
+        if not server.started:
+            raise CarnatorError(f"could not listen on {config.host}:{config.port} (in use, or not an address of this host)")
+        n = len(service.pool.drained)
+        say(f"carnator: stopped{f'; {n} running job(s) requeued for the next start' if n else ''}")
+    return 0
+
+
+class _NoBindError(logging.Filter):
+    """uvicorn's own line for a port it cannot bind: ``run`` says it in carnator's one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "while attempting to bind" not in record.getMessage()
+
+
+class _Server:
+    """uvicorn's server, printing the URL once listening and starting the drain at the first signal."""
+
+    def __new__(cls, config, service: Service, say: Callable[[str], None]):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def __init__(self) -> None:
+                super().__init__(config)
+
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets)
+                if self.started and self.servers:
+                    host, port = self.servers[0].sockets[0].getsockname()[:2]
+                    shown = f"[{host}]" if ":" in host else host
+                    auth = "API keys from --keys" if service.config.keys else "no authentication (loopback only)"
+                    say(f"carnator: serving {service.config.model} on {', '.join(d.name for d in service.pool.devices)} "
+                        f"at http://{shown}:{port}/ ({auth}; Ctrl-C stops)")
+
+            def handle_exit(self, sig, frame) -> None:
+                # not in the signal handler itself: it may have interrupted a thread holding a lock begin_shutdown takes
+                threading.Thread(target=service.begin_shutdown, name="carnator-drain", daemon=True).start()
+                super().handle_exit(sig, frame)
+
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # uvicorn re-raises the signal after a graceful shutdown; we exit cleanly with status 0 instead
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for s, h in original.items():
+                        signal.signal(s, h)
+
+        return Server()
+
+
+def main_args(args) -> int:
+    """``carnator serve`` from parsed arguments (:mod:`carnator.cli`)."""
+    keys = load_keys(args.keys) if args.keys else None
+    if args.verbose:
+        logging.getLogger("carnator").setLevel(logging.DEBUG)
+    else:  # loading bars of diffusers/transformers (the model, the recall embedder) would bury the server's lines
+        import diffusers
+        import transformers
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+    cfg = ServeConfig(host=args.host, port=args.port, model=args.model, cache_dir=args.cache_dir, keys=keys,
+                      max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
+                      allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts)
+    logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
+    sys.stdout.flush()
+    return run(cfg)

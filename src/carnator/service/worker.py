@@ -1,0 +1,335 @@
+"""The workers of ``carnator serve``: one thread per device, taking jobs in turn from the job store.
+
+:class:`FairQueue` picks the next job round-robin over the tenants with queued jobs (each tenant's own jobs in
+submission order), so one tenant's burst does not starve another. :class:`WorkerPool` runs each job through
+``Carnator.generate`` with ``cancel`` (a per-job flag: ``DELETE /v1/videos/{id}``, or the server draining for
+shutdown), ``progress`` and ``events`` (published to the job's event streams; progress written to the store at most
+twice a second), then encodes the videos and finishes the job in the store. Nothing here speaks HTTP or SQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CacheError, Cancelled, CarnatorError, InvalidRequestError
+from ..video import write_video
+from .events import DONE, EventHub
+from .jobs import CANCELLED, COMPLETED, FAILED, Job, JobStore, JobStoreError
+from .metrics import STAGES, ServiceMetrics
+
+log = logging.getLogger("carnator.service")
+
+#: seconds between progress writes to the job store (events go out at every step)
+PROGRESS_WRITE_S = 0.5
+
+
+class MeteredStore:
+    """The engine's cache store, counting what each admission removed (evicted to make room, or an entry of the same
+    exact key replaced) for ``/metrics``. Everything else passes through."""
+
+    def __init__(self, inner, metrics: ServiceMetrics):
+        self._inner, self._metrics = inner, metrics
+        self._lock = threading.Lock()
+
+    def admit(self, spec):
+        with self._lock:
+            try:
+                before = self._inner.stats().count
+            except CacheError:
+                before = None
+            entry_id = self._inner.admit(spec)
+            if entry_id is None:
+                self._metrics.store_errors.inc()
+            if before is not None:
+                with contextlib.suppress(CacheError):
+                    removed = before + (1 if entry_id else 0) - self._inner.stats().count
+                    if removed > 0:
+                        self._metrics.evictions.inc(removed)
+            return entry_id
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+class FairQueue:
+    """Round-robin over tenants with queued jobs: after serving tenant T, the next tenant (in name order) after T that
+    has a queued job goes first."""
+
+    def __init__(self, store: JobStore):
+        self.store = store
+        self._last: str | None = None
+        self._lock = threading.Lock()
+
+    def next(self, worker: str) -> Job | None:
+        with self._lock:
+            tenants = self.store.queued_tenants()
+            if self._last is not None:
+                k = next((i for i, t in enumerate(tenants) if t > self._last), len(tenants))
+                tenants = tenants[k:] + tenants[:k]
+            for t in tenants:
+                job = self.store.claim(t, worker)
+                if job is not None:
+                    self._last = t
+                    return job
+        return None
+
+
+class DenseEstimate:
+    """Per tenant and settings, the mean seconds of its recent misses on this server: what a job would have taken
+    without the cache (for ``speedup`` and the seconds saved). Never mixes tenants."""
+
+    def __init__(self, size: int = 4096):
+        self._ema: OrderedDict[tuple, float] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(tenant: str, params: dict[str, Any], req) -> tuple:
+        return (tenant, params.get("policy"), req.num_inference_steps, req.num_frames, req.height, req.width,
+                req.guidance_scale)
+
+    def add(self, key: tuple, seconds: float) -> None:
+        with self._lock:
+            old = self._ema.pop(key, None)
+            self._ema[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+            while len(self._ema) > self._size:
+                self._ema.popitem(last=False)
+
+    def get(self, key: tuple) -> float | None:
+        with self._lock:
+            return self._ema.get(key)
+
+
+def summarize(stats, req, dense_seconds: float | None) -> dict[str, Any]:
+    """The job's ``stats``: the engine's decision and timings, with steps computed, speedup and seconds saved. Only
+    this job's own data (its cache entries are the tenant's own)."""
+    n = req.num_inference_steps
+    tier = "exact" if stats.exact_hit else "reuse" if stats.hit else "miss"
+    per_step = stats.dense_forwards / n if stats.dense_forwards else 0
+    computed = 0 if stats.exact_hit else (round(stats.dit_forwards / per_step) if per_step else n)
+    seconds = float(stats.timings.get("total", 0.0))
+    if tier == "miss":
+        dense_seconds = seconds
+    elif dense_seconds is None and stats.dit_forwards:  # before any miss: this job's own seconds per forward
+        dit = stats.timings.get("dit", 0.0)
+        dense_seconds = seconds - dit + dit / stats.dit_forwards * stats.dense_forwards
+    speedup = round(dense_seconds / seconds, 2) if dense_seconds and seconds > 0 else None
+    return {
+        "tier": tier, "hit": bool(stats.hit), "exact_hit": bool(stats.exact_hit), "resume_step": stats.resume_step,
+        "steps": n, "steps_computed": int(computed), "speedup": speedup, "seconds": round(seconds, 4),
+        "seconds_saved": round(max(0.0, dense_seconds - seconds), 4) if dense_seconds and tier != "miss" else 0.0,
+        "reason": stats.reason, "certified": stats.certified, "source_id": stats.source_id, "entry_id": stats.entry_id,
+        "stored": stats.entry_id is not None or bool(stats.exact_hit),
+        "timings": {k: round(float(v), 4) for k, v in stats.timings.items() if math.isfinite(v)},
+    }
+
+
+@dataclass
+class Device:
+    """One device and its engine (every worker of a device shares it; we run one per device)."""
+
+    name: str
+    engine: Any
+
+
+class WorkerPool:
+    """The worker threads and what they share: the job store, the fair queue, event hub and metrics."""
+
+    def __init__(self, store: JobStore, devices: Sequence[Device], hub: EventHub, metrics: ServiceMetrics, *,
+                 fps: int = 8, poll_s: float = 0.5):
+        self.store, self.devices, self.hub, self.metrics = store, list(devices), hub, metrics
+        self.queue = FairQueue(store)
+        self.fps = fps
+        self.poll_s = poll_s
+        self.estimate = DenseEstimate()
+        self._cancel: set[str] = set()
+        self._draining = threading.Event()
+        self._stopped = threading.Event()
+        self._wake = threading.Condition()
+        self._running: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self.job_seconds_ema: float | None = None
+        self.drained: list[str] = []
+
+    # ---- control -----------------------------------------------------------------------------
+    def start(self) -> None:
+        for dev in self.devices:
+            t = threading.Thread(target=self._loop, args=(dev,), name=f"carnator-worker-{dev.name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def notify(self) -> None:
+        """A job was queued."""
+        with self._wake:
+            self._wake.notify_all()
+
+    def cancel(self, job_id: str) -> None:
+        """Stop the job at its next step boundary if a worker runs it."""
+        self._cancel.add(job_id)
+
+    def drain(self) -> None:
+        """Shutdown, first half: running jobs stop at their next step and go back to the queue; no new job starts."""
+        self._draining.set()
+        self.notify()
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Shutdown, second half: wait for the workers; whether they all ended."""
+        self.drain()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._stopped.set()
+        return not any(t.is_alive() for t in self._threads)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def alive(self) -> bool:
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def retry_after(self, queued: int) -> int:
+        """Seconds until ``queued`` jobs ahead would have run, from the mean job time (at least 1)."""
+        per_job = self.job_seconds_ema or 5.0
+        return max(1, min(3600, math.ceil((queued + 1) * per_job / max(1, len(self.devices)))))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _loop(self, dev: Device) -> None:
+        worker = f"{dev.name}@{threading.get_ident()}"
+        while not self._draining.is_set():
+            try:
+                job = self.queue.next(worker)
+            except Exception as exc:  # a busy or full store: wait and try again
+                log.warning("worker %s could not take a job: %s", dev.name, exc)
+                job = None
+            if job is None:
+                with self._wake:
+                    if not self._draining.is_set():
+                        self._wake.wait(self.poll_s)
+                continue
+            with self._lock:
+                self._running[job.id] = job
+            try:
+                self._run(dev, job)
+            except Exception:  # never lose the worker: the job fails with a reason, the details go to the log
+                log.exception("job %s failed unexpectedly", job.id)
+                self._finish(job, FAILED, error={"type": "server_error", "message": "internal error while running the job; "
+                                                                                    "the server's log has the details"})
+            finally:
+                with self._lock:
+                    self._running.pop(job.id, None)
+                self._cancel.discard(job.id)
+
+    def _run(self, dev: Device, job: Job) -> None:
+        eng, p = dev.engine, job.params
+        started = time.time()
+        self.metrics.queue_wait.observe(max(0.0, (job.started_at or started) - job.created_at))
+        self.hub.publish(job.id, "in_progress", {"id": job.id, "status": "in_progress", "attempt": job.attempts})
+        last_write = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            pct = min(99, int(100 * done / max(1, total)))
+            self.hub.publish(job.id, "progress", {"progress": pct, "step": done, "total": total})
+            now = time.monotonic()
+            if now - last_write[0] >= PROGRESS_WRITE_S:
+                last_write[0] = now
+                if self.store.update_progress(job.id, job.attempts, pct):  # asked elsewhere (another replica)
+                    self._cancel.add(job.id)
+
+        def cancel() -> bool:
+            return job.id in self._cancel or self._draining.is_set()
+
+        def events(kind: str, data: dict) -> None:
+            if kind == "decision":
+                self.hub.publish(job.id, "decision", {"reuse": bool(data.get("reuse")), "exact": False,
+                                                      "reason": str(data.get("reason", ""))})
+
+        if cancel():
+            return self._stopped_job(job)
+        t0 = time.perf_counter()
+        try:
+            res = eng.generate(
+                p["prompt"], seed=p["seed"], policy=p.get("policy", "carnator"), negative_prompt=p.get("negative_prompt"),
+                num_inference_steps=p.get("num_inference_steps"), num_frames=p.get("num_frames"), height=p.get("height"),
+                width=p.get("width"), guidance_scale=p.get("guidance_scale"), tenant=job.tenant,
+                cache=p.get("cache", "reuse"), progress=progress, cancel=cancel, events=events,
+            )
+        except Cancelled:
+            return self._stopped_job(job)
+        except InvalidRequestError as e:
+            return self._finish(job, FAILED, error={"type": "invalid_request", "message": str(e)})
+        except CarnatorError as e:
+            return self._finish(job, FAILED, error={"type": "generation_error", "message": str(e)})
+        wall = time.perf_counter() - t0
+        st = res.stats
+        if st.exact_hit:
+            self.hub.publish(job.id, "decision", {"reuse": True, "exact": True, "reason": st.reason})
+        key = DenseEstimate.key(job.tenant, p, res.request)
+        summary = summarize(st, res.request, self.estimate.get(key))
+        if summary["tier"] == "miss":
+            self.estimate.add(key, summary["seconds"])
+
+        videos = {}
+        try:
+            for variant in ("mp4", "gif"):
+                path = self.store.staging_path(job.id, variant)
+                write_video(res.frames, path, fps=self.fps)
+                videos[variant] = path
+        except OSError as e:  # the store removes what was staged
+            full = " (the disk is full)" if getattr(e, "errno", None) in (28, 122) else ""
+            return self._finish(job, FAILED, videos=videos, error={
+                "type": "storage_error", "message": f"could not save the video{full}: {e.strerror or e}"})
+        self._finish(job, COMPLETED, stats=summary, videos=videos, wall=wall, dev=dev)
+
+    def _stopped_job(self, job: Job) -> None:
+        if job.id in self._cancel:
+            self._finish(job, CANCELLED, error=None)
+        else:  # draining: back to the queue, this attempt not counted
+            try:
+                if self.store.requeue(job.id, job.attempts, count_attempt=False):
+                    self.metrics.requeued.inc()
+                    self.drained.append(job.id)
+            except JobStoreError as exc:
+                log.error("could not requeue job %s (%s); the next start requeues it", job.id, exc)
+            self.hub.publish(job.id, "queued", {"id": job.id, "status": "queued", "reason": "the server is restarting"})
+
+    def _finish(self, job: Job, status: str, *, stats=None, error=None, videos=None, wall: float | None = None,
+                dev: Device | None = None) -> None:
+        try:
+            ok = self.store.finish(job.id, job.attempts, status, stats=stats, error=error, videos=videos)
+        except JobStoreError as exc:
+            log.error("could not record job %s as %s (%s); the next start requeues it", job.id, status, exc)
+            ok = False
+        if ok:
+            m = self.metrics
+            m.requests.labels(status=status, policy=job.policy).inc()
+            if status == COMPLETED and stats is not None:
+                tier = stats["tier"]
+                m.hits.labels(tier=tier).inc()
+                m.steps_skipped.inc(max(0, stats["steps"] - stats["steps_computed"]))
+                if stats["seconds_saved"]:
+                    device = "cuda" if "cuda" in str(getattr(dev, "name", "")) else "cpu"
+                    m.seconds_saved.labels(device=device).inc(stats["seconds_saved"])
+                for stage in STAGES:
+                    if stage in stats["timings"]:
+                        m.stage_seconds.labels(stage=stage).observe(stats["timings"][stage])
+                if wall is not None:
+                    m.job_seconds.labels(tier=tier).observe(wall)
+                    self.job_seconds_ema = wall if self.job_seconds_ema is None else 0.8 * self.job_seconds_ema + 0.2 * wall
+        try:
+            final = self.store.get(job.tenant, job.id)
+        except JobStoreError:
+            final = None
+        self.hub.publish(job.id, DONE, {"id": job.id, "status": final.status if final else status})

@@ -1,0 +1,232 @@
+"""The service's job store (real SQLite in a temp directory, no model): submission limits and idempotency, tenant
+scoping, atomic claims and attempts (a job completes at most once), recovery after a kill, fair claiming across
+tenants, cancellation, pagination, and the reserve that lets accepted jobs finish on a full disk (a real tmpfs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from carnator.service.jobs import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    IN_PROGRESS,
+    QUEUED,
+    IdempotencyConflict,
+    JobStore,
+    QueueFull,
+    SqliteJobStore,
+    StorageFull,
+    request_hash,
+)
+from carnator.service.worker import FairQueue
+
+P = {"prompt": "a red ball", "seed": 1, "policy": "carnator", "cache": "reuse"}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = SqliteJobStore(tmp_path)
+    yield s
+    s.close()
+
+
+def test_store_implements_the_protocol_and_uses_wal(store, tmp_path):
+    assert isinstance(store, JobStore)
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "jobs.sqlite") as c:
+        assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_lifecycle_tenant_scoping_and_one_completion(store, tmp_path):
+    job, created = store.submit("a", P)
+    assert created and job.status == QUEUED and job.id.startswith("video_")
+    assert store.get("b", job.id) is None and store.cancel("b", job.id) is None  # another tenant's: as if missing
+    assert store.claim("b", "w") is None
+    got = store.claim("a", "w")
+    assert got.id == job.id and got.status == IN_PROGRESS and got.attempts == 1
+    assert store.claim("a", "w") is None  # claimed once
+    staged = store.staging_path(job.id, "mp4")
+    staged.write_bytes(b"video")
+    assert store.finish(job.id, 1, COMPLETED, stats={"tier": "miss"}, videos={"mp4": staged})
+    assert not store.finish(job.id, 1, COMPLETED, stats={})  # a second completion changes nothing
+    done = store.get("a", job.id)
+    assert done.status == COMPLETED and done.progress == 100 and done.stats == {"tier": "miss"} and done.videos == ["mp4"]
+    assert store.video_path("a", job.id, "mp4").read_bytes() == b"video" and store.video_path("b", job.id, "mp4") is None
+    assert [h["kind"] for h in store.history(job.id)] == ["submitted", "claimed", COMPLETED]
+
+
+def test_idempotency_replays_and_conflicts(store):
+    h = request_hash({"prompt": "x"})
+    j1, c1 = store.submit("a", P, idempotency_key="k1", request_hash=h)
+    j2, c2 = store.submit("a", P, idempotency_key="k1", request_hash=h)
+    assert c1 and not c2 and j1.id == j2.id
+    with pytest.raises(IdempotencyConflict):
+        store.submit("a", P, idempotency_key="k1", request_hash=request_hash({"prompt": "y"}))
+    j3, c3 = store.submit("b", P, idempotency_key="k1", request_hash=h)  # keys are per tenant
+    assert c3 and j3.id != j1.id
+
+
+def test_queue_limits_are_atomic_under_concurrent_submissions(store):
+    errors: list[Exception] = []
+    ok: list[str] = []
+
+    def submit(tenant: str) -> None:
+        for _ in range(10):
+            try:
+                ok.append(store.submit(tenant, P, max_queued=12, max_queued_per_tenant=7)[0].id)
+            except QueueFull as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=submit, args=(t,)) for t in ("a", "a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.queued_count("a") == 7 and store.queued_count("b") == 5 and len(ok) == 12
+    assert {e.reason for e in errors} == {"tenant_limit", "queue_full"}
+
+
+def test_fair_queue_round_robins_over_tenants(store):
+    for _ in range(3):
+        store.submit("big", P)
+    store.submit("small", P)
+    store.submit("other", P)
+    q = FairQueue(store)
+    order = []
+    while (job := q.next("w")) is not None:
+        order.append(job.tenant)
+        store.finish(job.id, job.attempts, COMPLETED)
+    assert order == ["big", "other", "small", "big", "big"]
+
+
+def test_recover_requeues_once_then_fails_and_stale_attempts_change_nothing(tmp_path):
+    s = SqliteJobStore(tmp_path)
+    job, _ = s.submit("a", P)
+    queued, _ = s.submit("a", P)
+    s.claim("a", "w1")
+    s.close()  # "killed" mid-job
+    s = SqliteJobStore(tmp_path)
+    assert s.recover(max_attempts=2) == {"requeued": [job.id], "failed": [], "cancelled": []}
+    assert s.get("a", queued.id).status == QUEUED  # queued jobs stay queued
+    again = s.claim("a", "w2")
+    assert again.id == job.id and again.attempts == 2
+    assert not s.finish(job.id, 1, COMPLETED)  # the first attempt's worker is gone: it cannot complete the job
+    assert not s.update_progress(job.id, 1, 50) and s.get("a", job.id).progress == 0
+    assert s.recover(max_attempts=2) == {"requeued": [], "failed": [job.id], "cancelled": []}  # killed again
+    failed = s.get("a", job.id)
+    assert failed.status == FAILED and failed.error["type"] == "interrupted" and "2 time(s)" in failed.error["message"]
+    assert [h["kind"] for h in s.history(job.id)] == ["submitted", "claimed", "requeued", "claimed", FAILED]
+    s.close()
+
+
+def test_drain_requeue_does_not_count_the_attempt(store):
+    job, _ = store.submit("a", P)
+    j = store.claim("a", "w")
+    assert store.requeue(j.id, j.attempts)
+    assert store.get("a", job.id).attempts == 0 and store.get("a", job.id).status == QUEUED
+
+
+def test_cancel_queued_at_once_and_running_by_flag(store):
+    q, _ = store.submit("a", P)
+    assert store.cancel("a", q.id).status == CANCELLED
+    r, _ = store.submit("a", P)
+    run = store.claim("a", "w")
+    assert run.id == r.id
+    asked = store.cancel("a", r.id)
+    assert asked.status == IN_PROGRESS and asked.cancel_requested
+    assert store.update_progress(r.id, run.attempts, 10)  # the worker learns of it at its next progress write
+    assert store.finish(r.id, run.attempts, CANCELLED)
+    # a job whose cancellation was asked before a kill is cancelled at recovery, not run again
+    k, _ = store.submit("a", P)
+    store.claim("a", "w")
+    store.cancel("a", k.id)
+    assert store.recover(2)["cancelled"] == [k.id]
+
+
+def test_pagination_is_per_tenant_and_stable(store):
+    ids = [store.submit("a", P)[0].id for _ in range(5)]
+    store.submit("b", P)
+    page, more = store.list("a", limit=2)
+    assert [j.id for j in page] == ids[::-1][:2] and more
+    page2, more2 = store.list("a", limit=2, after=page[-1].id)
+    assert [j.id for j in page2] == ids[::-1][2:4] and more2
+    asc, _ = store.list("a", limit=10, order="asc")
+    assert [j.id for j in asc] == ids
+    assert store.list("b", after=ids[0]) == ([], False)  # another tenant's cursor: nothing
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def fill(path: Path) -> Path:
+    """Fill the file system of ``path`` to the last byte."""
+    filler = path / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for chunk in (1 << 16, 512, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "disk"
+    if os.geteuid() != 0 or not _mount_tmpfs(mnt, "8m"):
+        pytest.skip("needs root to mount a tmpfs (CI runs as root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_refuses_new_jobs_but_finishes_accepted_ones(small_disk):
+    s = SqliteJobStore(small_disk)
+    accepted = [s.submit("a", P)[0] for _ in range(3)]
+    running = s.claim("a", "w")
+    filler = fill(small_disk)
+    with pytest.raises(StorageFull):
+        for _ in range(200):  # a page or two may still fit
+            s.submit("a", {**P, "prompt": "x" * 4000})
+    assert s.healthy() is not None
+    s.update_progress(running.id, running.attempts, 50)  # bookkeeping: never raises
+    assert s.finish(running.id, running.attempts, FAILED, error={"type": "storage_error", "message": "disk full"})
+    assert s.cancel("a", accepted[1].id).status == CANCELLED
+    assert s.get("a", running.id).status == FAILED
+    filler.unlink()
+    assert s.healthy() is None  # room again: the reserve is back, new jobs are taken
+    assert s.submit("a", P)[1]
+    s.close()
+
+
+def test_serve_command_line_mistakes_are_one_line(tmp_path, capsys):
+    from carnator.cli import main
+
+    def err(*argv) -> str:
+        assert main(["serve", "--cache-dir", str(tmp_path / "c"), *argv]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("carnator: error: "), lines
+        return lines[0]
+
+    assert "loopback only" in err("--host", "0.0.0.0")
+    assert "no such file" in err("--keys", str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert "must map API keys to tenants" in err("--keys", str(bad))
+    bad.write_text('{"short": "t"}')
+    assert "at least 8 characters" in err("--keys", str(bad))
+    bad.write_text("{nope")
+    assert "is not JSON" in err("--keys", str(bad))
+    assert "expected an integer" in err("--port", "70000")
