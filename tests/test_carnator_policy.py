@@ -170,7 +170,7 @@ def test_wan_signature_decodes_only_the_tail_latent_frame():
     import numpy as np
     import torch
 
-    from carnator.backbones.base import adapter_for
+    from carnator.backbones import adapter_for
     from carnator.testing import tiny_wan
 
     pipe = tiny_wan()

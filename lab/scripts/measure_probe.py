@@ -1,6 +1,6 @@
 """Measure the dense probe's Evidence Regions and colours against the embedded model's own output.
 
-    python lab/scripts/measure_probe.py [-n 120] [--gen 16] [--seed 0] [--out docs/PROBE.md]
+    python lab/scripts/measure_probe.py [-n 120] [--gen 16] [--seed 0] [--out lab/notebook/PROBE.md]
 
 Protocol (PAPER steps 2-4, embedded shapes-world model, CPU):
 
@@ -133,7 +133,7 @@ def main():
     ap.add_argument("--weights", default=None, help="a `carnator-lab train` --out directory instead of the shipped weights")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--machine", default="2-core CPU dev box (torch threads 1)", help="for the report")
-    ap.add_argument("--out", default="docs/PROBE.md")
+    ap.add_argument("--out", default="lab/notebook/PROBE.md")
     ap.add_argument("--modifiers", type=int, default=0, help="read each noun with up to this many modifying words (CarnatorConfig.modifiers)")
     args = ap.parse_args()
     if args.device == "cpu":

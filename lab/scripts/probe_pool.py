@@ -6,7 +6,7 @@
 Why: the method reads, at the last of the first 4 sampling steps (sigma 0.97 at flow shift 3), where
 each noun's object will be. The grounding loss of ``carnator_lab.train (`carnator-lab train`)`` teaches the cross-attention
 where the object is in the *rendered* clip that was noised; at sigma 0.97 that clip is 3 % of the
-input, so the attention can only spread over the places the object might be (docs/PROBE.md: IoU 0.29
+input, so the attention can only spread over the places the object might be (lab/notebook/PROBE.md: IoU 0.29
 against the final clip). But sampling is deterministic: the object lands where the ODE from this
 noise puts it. This script samples N train-split captions with the model (the sampler and CFG of
 ``sample_batch``), keeps each trajectory's input at the probe step and its final latent, and reads the

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from . import denoise
-from .backbones.base import BackboneAdapter, adapter_for
+from .backbones.base import BackboneAdapter
+from .backbones.registry import adapter_for
 from .cache.protocol import VIDEO, CacheStore, StoreSpec
 from .errors import CacheError, GenerationError, InvalidRequestError, ModelLoadError
 from .plan import Decision, DecisionInputs, ReusePlan
@@ -547,7 +548,7 @@ def _pipeline_class(model: str | os.PathLike) -> str:
         class_name = json.loads(index.read_text())["_class_name"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{index} is not a valid diffusers model index") from e
-    from .backbones.base import supported_pipelines
+    from .backbones.registry import supported_pipelines
 
     if not isinstance(class_name, str) or class_name not in supported_pipelines():
         raise ModelLoadError(f"unsupported pipeline class {class_name}; supported: {', '.join(supported_pipelines())}")

@@ -26,7 +26,7 @@ One call measures one backbone through the real engine, on a CUDA GPU:
    building one BlockMask.
 
 The embedded-world measurements that the replayed parameters should come from are in
-docs/RESULTS.md; the report states the parameters it used.
+lab/notebook/RESULTS.md; the report states the parameters it used.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ An adapter wraps a diffusers pipeline object and exposes the pieces the one deno
 ``prepare_latents``, the scheduler, the VAE and video processor), so that a dense run through the
 loop equals ``pipe(...)`` exactly.
 
-Adding a family: subclass :class:`BackboneAdapter`, set ``pipeline_classes`` and decorate the class
-with :func:`register_adapter`.
+Adding a family: subclass :class:`BackboneAdapter`, set ``pipeline_classes`` and register the class with
+:func:`carnator.backbones.register_adapter` (the built-in families are listed in :mod:`.registry`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..errors import InvalidRequestError, ModelLoadError
+from ..errors import InvalidRequestError
 from ..request import Request
 
 
@@ -50,32 +50,6 @@ class Conditioning:
 #: Config keys that record how a component was loaded rather than what it is; a model moved to
 #: another directory (or loaded from disk instead of built in memory) keeps its identity and its cache.
 _NOT_IDENTITY = frozenset({"_name_or_path", "_use_default_values", "_commit_hash"})
-
-_REGISTRY: dict[str, type["BackboneAdapter"]] = {}
-
-
-def register_adapter(cls: type["BackboneAdapter"]) -> type["BackboneAdapter"]:
-    for name in cls.pipeline_classes:
-        _REGISTRY[name] = cls
-    return cls
-
-
-def adapter_for(pipe) -> "BackboneAdapter":
-    """Pick the adapter registered for ``type(pipe)`` (or one of its base classes)."""
-    from . import cogvideox, embedded, hunyuan, ltx, wan  # noqa: F401  (registration side effects)
-
-    for klass in type(pipe).__mro__:
-        if klass.__name__ in _REGISTRY:
-            return _REGISTRY[klass.__name__](pipe)
-    supported = ", ".join(sorted(_REGISTRY))
-    raise ModelLoadError(f"unsupported pipeline class {type(pipe).__name__}; supported: {supported}")
-
-
-def supported_pipelines() -> list[str]:
-    from . import cogvideox, embedded, hunyuan, ltx, wan  # noqa: F401
-
-    return sorted(_REGISTRY)
-
 
 class BackboneAdapter(ABC):
     """One model family over a diffusers pipeline.

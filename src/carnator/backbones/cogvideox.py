@@ -19,10 +19,9 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..request import Request
-from .base import BackboneAdapter, Conditioning, GenerationDefaults, register_adapter
+from .base import BackboneAdapter, Conditioning, GenerationDefaults
 
 
-@register_adapter
 class CogVideoXAdapter(BackboneAdapter):
     family = "cogvideox"
     pipeline_classes = ("CogVideoXPipeline",)

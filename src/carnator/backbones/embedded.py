@@ -12,7 +12,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..request import Request
-from .base import Conditioning, GenerationDefaults, register_adapter
+from .base import Conditioning, GenerationDefaults
 from .wan import WanAdapter
 
 log = logging.getLogger("carnator")
@@ -41,7 +41,6 @@ class GraphedForward:
         return self.output.clone()
 
 
-@register_adapter
 class EmbeddedAdapter(WanAdapter):
     """The Wan adapter, with the embedded model's text encoder, latent layout and codec.
 

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..request import Request
-from .base import BackboneAdapter, Conditioning, GenerationDefaults, register_adapter
+from .base import BackboneAdapter, Conditioning, GenerationDefaults
 
 
 def _default_template() -> dict[str, Any]:
@@ -25,7 +25,6 @@ def _default_template() -> dict[str, Any]:
     return dict(DEFAULT_PROMPT_TEMPLATE)
 
 
-@register_adapter
 class HunyuanVideoAdapter(BackboneAdapter):
     family = "hunyuan"
     pipeline_classes = ("HunyuanVideoPipeline",)

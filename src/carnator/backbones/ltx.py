@@ -12,10 +12,9 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..request import Request
-from .base import BackboneAdapter, Conditioning, GenerationDefaults, register_adapter
+from .base import BackboneAdapter, Conditioning, GenerationDefaults
 
 
-@register_adapter
 class LTXAdapter(BackboneAdapter):
     family = "ltx"
     pipeline_classes = ("LTXPipeline",)

@@ -7,10 +7,9 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..request import Request
-from .base import BackboneAdapter, Conditioning, GenerationDefaults, register_adapter
+from .base import BackboneAdapter, Conditioning, GenerationDefaults
 
 
-@register_adapter
 class WanAdapter(BackboneAdapter):
     family = "wan"
     pipeline_classes = ("WanPipeline",)

@@ -1,0 +1,106 @@
+"""The package's layering, checked on the real import graph (grimp, import-linter's engine).
+
+Data flows recall -> probe -> signature -> decision -> plan -> denoise -> store; each layer below may import only
+what the contract names. Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies, and are left out.
+"""
+
+from __future__ import annotations
+
+import grimp
+import pytest
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return grimp.build_graph("carnator", "carnator_lab", exclude_type_checking_imports=True)
+
+
+def _imports_of(graph, package: str) -> set[str]:
+    """Modules outside ``package`` that ``package`` (or any of its modules) imports directly."""
+    members = {package} | (graph.find_descendants(package) if graph.find_children(package) else set())
+    out: set[str] = set()
+    for m in members:
+        out |= graph.find_modules_directly_imported_by(m)
+    return {m for m in out if m not in members}
+
+
+def _cycles(graph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(m for m in graph.modules if m.startswith("carnator.") or m == "carnator"):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_library_never_imports_the_lab(graph):
+    assert not graph.chain_exists(importer="carnator", imported="carnator_lab", as_packages=True)
+
+
+def test_no_import_cycles(graph):
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_sees_a_cycle():
+    g = grimp.ImportGraph()
+    for a, b in [("carnator.a", "carnator.b"), ("carnator.b", "carnator.c"), ("carnator.c", "carnator.a"), ("carnator.c", "carnator.d")]:
+        g.add_import(importer=a, imported=b)
+    assert _cycles(g) == [["carnator.a", "carnator.b", "carnator.c"]]
+
+
+@pytest.mark.parametrize(
+    "package, forbidden",
+    [
+        # A policy only decides and returns plain data: no model, no store, no denoising.
+        ("carnator.policies", ["carnator.backbones", "carnator.cache.bank", "carnator.denoise", "carnator.engine", "carnator.stages", "carnator.service"]),
+        # The store only stores.
+        ("carnator.cache", ["carnator.backbones", "carnator.engine", "carnator.policies", "carnator.denoise", "carnator.reuse", "carnator.service"]),
+        # The compatibility math and the signature know no model and no store.
+        ("carnator.reuse", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies", "carnator.denoise"]),
+        ("carnator.signature", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies", "carnator.reuse"]),
+        ("carnator.judges", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies"]),
+        # The denoiser executes plans; it never decides.
+        ("carnator.denoise", ["carnator.policies", "carnator.cache", "carnator.engine", "carnator.stages"]),
+        # The service queues, routes and reports: it reaches models only through the engine.
+        ("carnator.service", ["carnator.backbones", "carnator.denoise", "carnator.stages", "carnator.attention"]),
+    ],
+)
+def test_layer_contract(graph, package, forbidden):
+    bad = sorted(m for m in _imports_of(graph, package) if any(m == f or m.startswith(f + ".") for f in forbidden))
+    assert bad == [], f"{package} imports {bad}"
