@@ -18,7 +18,7 @@ from carnator.backbones import adapter_for
 from carnator.cache import CacheBank
 from carnator.denoise import Program, run_steps, start
 from carnator.embed import TextEmbedder
-from carnator.engine import Carnator
+from carnator.engine import Carnator, EngineConfig
 from carnator.errors import CarnatorError, InvalidRequestError, ModelLoadError
 from carnator.request import to_uint8
 from carnator.testing import hashed_embedder, tiny_pipeline
@@ -163,7 +163,10 @@ def test_store_false_keeps_nothing(engine):
 # ---- trajectory capture -------------------------------------------------------------------------
 
 
-def test_entry_stores_whole_trajectory(engine, ref_pipe):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_entry_stores_whole_trajectory(pipe, ref_pipe, tmp_path, dtype):
+    """The stored trajectory is the loop's latents: bit for bit in float32, their float16 rounding by default."""
+    engine = Carnator(pipe, tmp_path / "cache", embedder=fake_embedder(), config=EngineConfig(latent_dtype=dtype))
     res = gen(engine)
     tensors = engine.store.load(res.stats.entry_id)
     assert tensors is not None
@@ -185,8 +188,8 @@ def test_entry_stores_whole_trajectory(engine, ref_pipe):
     assert sorted(seen) == list(range(STEPS))
     for k in range(STEPS):
         stored = tensors[f"traj.{k}"]
-        assert stored.dtype == torch.float32 and stored.shape == seen[k].shape
-        assert torch.equal(stored, seen[k].cpu()), f"traj.{k} differs from the loop's latent"
+        assert stored.dtype == getattr(torch, dtype) and stored.shape == seen[k].shape
+        assert torch.equal(stored, seen[k].cpu().to(stored.dtype)), f"traj.{k} differs from the loop's latent"
     assert not torch.equal(tensors["traj.0"], tensors["traj.1"])
     assert engine.store.get(res.stats.entry_id).extra["steps"] == STEPS
 

@@ -762,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cuda-graphs", action="store_true",
                    help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
     b.add_argument("--latent-dtype", choices=["float32", "float16"], default=None,
-                   help="dtype of the latents stored with every entry (default float32; float16 halves the cache, e.g. for W = 1000)")
+                   help="dtype of the latents stored with every entry (default float16; float32 doubles the cache for exact latents)")
     b.set_defaults(worker=False, shard={})  # set by _worker only
     _add_intra_cache_arg(b)
     b.set_defaults(func=cmd_bench)

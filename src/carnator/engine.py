@@ -52,7 +52,9 @@ class EngineConfig:
     capture_steps: which post-scheduler latents are stored with every entry ("auto": those the policy
         that generated it can resume from, ``Policy.stored_steps``; "all", "none", or a
         list of step indices). Reuse needs the latents at the steps policies resume from.
-    latent_dtype: dtype of stored latents (float16 halves the bytes; float32 keeps them exact).
+    latent_dtype: dtype of stored latents (default float16: half the bytes of float32, and on the embedded model a
+        re-roll hit's frames differ from float32 storage's by at most 1/255 at a few pixels, lab/scripts/entry_dtype.py;
+        "float32" keeps them exact).
     store_video: keep the decoded video with the entry, so an identical request is an exact hit.
     capacity_bytes, eviction: when set, stored as the cache's own capacity (bytes) and eviction policy ("lru",
         "lcbfu") with ``CacheBank.configure`` when the engine opens it; None (default) keeps what the cache has.
@@ -71,7 +73,7 @@ class EngineConfig:
     """
 
     capture_steps: str | list[int] = "auto"
-    latent_dtype: str = "float32"
+    latent_dtype: str = "float16"
     store_video: bool = True
     capacity_bytes: int | None = None
     eviction: str | None = None
