@@ -6,6 +6,7 @@ both stores."""
 from __future__ import annotations
 
 import logging
+import re
 import os
 import threading
 import time
@@ -195,4 +196,78 @@ def test_postgresql_down_degrades_to_misses_and_recovers(tmp_path, caplog):
         np.testing.assert_array_equal(s.load(e, [VIDEO])[VIDEO].numpy(), VID)
         s.close()
     finally:
+        pg.stop()
+
+
+def test_cli_takes_a_store_url_and_says_what_is_wrong_in_one_line(pg_schema_url, tmp_path, capsys):
+    from carnator.cli import main
+
+    blobs = str(tmp_path / "blobs")
+    with SharedStore(pg_schema_url, blobs=blobs) as s:
+        s.admit(_spec(tenant="a"))
+        s.admit(_spec(tenant="b"))
+    assert main(["cache", "stats", "--store", pg_schema_url, "--blobs", blobs]) == 0
+    out = capsys.readouterr().out
+    assert "entries: 2" in out and "tenant a: 1 entries" in out and "SharedStore(" in out
+    assert main(["cache", "verify", "--store", pg_schema_url, "--blobs", blobs]) == 0
+    assert "checked: 2" in capsys.readouterr().out
+    for argv, msg in [
+        (["cache", "stats", "--store", pg_schema_url], "needs --blobs"),
+        (["cache", "stats", "--store", "redis://h/0"], "unknown scheme"),
+        (["cache", "stats", "--store", f"sqlite:///{tmp_path}/x", "--cache-dir", str(tmp_path)], "not both"),
+        (["cache", "stats", "--blobs", blobs], "--blobs goes with --store"),
+        (["cache", "stats", "--store", "postgresql://nobody@127.0.0.1:1/none", "--blobs", blobs], "cannot connect"),
+        (["serve", "--store", "postgresql://nobody@127.0.0.1:1/none", "--blobs", blobs, "--cache-dir", str(tmp_path)],
+         "cannot connect"),
+        (["serve", "--ray-address", "auto", "--cache-dir", str(tmp_path)], "--ray-address goes with --replicas"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("carnator: error: ") and msg in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_path):
+    """PostgreSQL stops under a running server: jobs still complete (misses, nothing stored), /metrics counts the
+    calls served without the store, and once it is back the cache works again."""
+    from carnator.cache.pglocal import LocalPostgres
+    from carnator.service.server import ServeConfig, Service
+
+    try:
+        pg = LocalPostgres().start()
+    except CacheError as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            raise
+        pytest.skip(str(exc))
+    svc = None
+    try:
+        svc = Service(ServeConfig(cache_dir=str(tmp_path / "ingress"), store=pg.url, blobs=str(tmp_path / "blobs"),
+                                  allow_uncertified=True))
+        svc.engine.store._inner.retry_s = 0.2
+        svc.start()
+
+        def run(prompt):
+            job, _ = svc.store.submit("default", {"prompt": prompt, "seed": 1, "num_inference_steps": 8})
+            svc.pool.notify()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                j = svc.store.get("default", job.id)
+                if j.status in ("completed", "failed", "cancelled"):
+                    return j
+                time.sleep(0.1)
+            raise AssertionError("job did not finish")
+
+        first = run("a red ball moving left on grass")
+        assert first.status == "completed" and first.stats["stored"]
+        pg.pause()
+        down = run("a red ball moving left on grass")  # would be an exact hit
+        assert down.status == "completed" and down.stats["tier"] == "miss" and not down.stats["stored"], down.stats
+        m = re.search(rb"^carnator_cache_store_unavailable_total (\S+)$", svc.metrics.render(), re.M)
+        assert m and float(m.group(1)) >= 2
+        pg.resume()
+        time.sleep(0.3)
+        again = run("a red ball moving left on grass")
+        assert again.status == "completed" and again.stats["tier"] == "exact"
+    finally:
+        if svc is not None:
+            svc.stop()
         pg.stop()
