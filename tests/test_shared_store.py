@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from carnator.cache import VIDEO, StoreSpec, open_store
+from carnator.cache.eviction import get_eviction
 from carnator.cache.shared import SharedStore, parse_store_url
 from carnator.cache.store import blob_key
 from carnator.errors import CacheError
@@ -101,6 +102,19 @@ def test_one_eviction_policy_for_the_whole_store(two, tmp_path):
         ids.append((a if i % 2 else b).admit(_spec([1, i], prompt=f"p{i}")))
     assert [e.id for e in a.entries()] == ids[-3:]  # LRU over both replicas' admissions
     assert _blob_files(tmp_path / "blobs") == _expected_blobs(a)  # no blob of an evicted entry remains
+    # LCBFU, decided in SQL, picks what the Python policy picks: the least benefit (steps_saved x uses) first
+    b.configure(eviction="lcbfu")
+    keep, low, high = ids[-3:]
+    assert a.touch(low, steps_saved=1) and a.touch(high, steps_saved=30) and a.touch(high)
+    expected = get_eviction("lcbfu").victims(a.entries(), 1)
+    assert expected == [keep]  # never used: benefit 0
+    b.admit(_spec([0, 1], prompt="new"))
+    assert {e.id for e in a.entries()} == {low, high} | {e.id for e in a.entries() if e.prompt == "new"}
+    with a._tx() as c:  # the kept byte total is the rows' sum
+        assert a._total_bytes(c) == a.stats().bytes == 3 * size
+    a.clear()
+    with a._tx() as c:
+        assert a._total_bytes(c) == 0
 
 
 def test_racing_admissions_of_one_exact_request_leave_one_entry(two, tmp_path):

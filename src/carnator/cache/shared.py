@@ -51,7 +51,7 @@ from .bank import (
 )
 from .blobfs import FsspecBlobStore, ReadThroughBlobs
 from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
-from .eviction import get_eviction
+from .eviction import LCBFU, LRU, get_eviction
 from .index import ScopeIndex, resolve_backend
 from .metadb import FORMAT_VERSION, REMOVAL_LOG_KEEP, Lease, ScopeRow, SyncState, dump_extra
 from .protocol import StoreSpec
@@ -95,6 +95,11 @@ _SCHEMA = (
         tenant TEXT NOT NULL, exact_key TEXT NOT NULL, holder TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
         expires DOUBLE PRECISION NOT NULL, PRIMARY KEY (tenant, exact_key))""",
 )
+
+#: The built-in eviction policies' order (``eviction.LRU`` / ``LCBFU`` sort keys) in SQL.
+_SQL_ORDER = {"lru": 'last_used, created, id COLLATE "C"',
+              "lcbfu": 'steps_saved * use_count, last_used, created, id COLLATE "C"'}
+_BUILTIN = {"lru": LRU, "lcbfu": LCBFU}
 
 #: How long ``touch`` waits for a lock (statement timeout) before giving up: it is only bookkeeping.
 TOUCH_TIMEOUT_MS = 2000
@@ -226,6 +231,9 @@ class SharedStore:
                         conn.execute(stmt)
                     conn.execute("INSERT INTO meta VALUES ('format_version', %s) ON CONFLICT DO NOTHING", (str(FORMAT_VERSION),))
                     conn.execute("INSERT INTO meta VALUES ('epoch', %s) ON CONFLICT DO NOTHING", (secrets.token_hex(8),))
+                    # the sum of every entry's bytes, kept by the writers (a sum over 10^6 rows per admission is not)
+                    conn.execute("INSERT INTO meta SELECT 'total_bytes', coalesce(sum(nbytes), 0)::text FROM entries "
+                                 "ON CONFLICT DO NOTHING")
                 row = conn.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
             conn.execute(f"SET search_path TO {self.schema}")  # a session setting, outside the transaction too
         except psycopg.OperationalError as exc:
@@ -446,11 +454,26 @@ class SharedStore:
             )
             c.execute("INSERT INTO scopes VALUES (%s, %s, %s) ON CONFLICT (tenant, compat_key) DO UPDATE SET dim = EXCLUDED.dim",
                       (meta.tenant, meta.compat_key, int(meta.embedding.size)))
+            self._add_bytes(c, meta.nbytes)
         return removed
 
     def _victims(self, c: Any, need: int, settings: CacheSettings) -> tuple[list[str], bool]:
         if need <= 0:
             return [], True
+        order = _SQL_ORDER.get(settings.eviction)
+        if order is not None and type(get_eviction(settings.eviction)) is _BUILTIN[settings.eviction]:
+            # The built-in policies' order, computed by PostgreSQL: read victims a batch at a time instead of every row.
+            chosen, freed, offset = [], 0, 0
+            while True:
+                rows = c.execute(f"SELECT id, nbytes FROM entries ORDER BY {order} LIMIT 256 OFFSET %s", (offset,)).fetchall()
+                if not rows:
+                    return chosen, False
+                for entry_id, nbytes in rows:
+                    chosen.append(entry_id)
+                    freed += int(nbytes)
+                    if freed >= need:
+                        return chosen, True
+                offset += len(rows)
         candidates = {e.id: e for e in self._all(c)}
         chosen: list[str] = []
         freed = 0
@@ -469,11 +492,13 @@ class SharedStore:
         ids = list(ids)
         if not ids:
             return []
-        rows = c.execute("DELETE FROM entries WHERE id = ANY(%s) RETURNING id, tenant, compat_key, layout", (ids,)).fetchall()
-        for entry_id, tenant, ck, _ in rows:
+        rows = c.execute("DELETE FROM entries WHERE id = ANY(%s) RETURNING id, tenant, compat_key, layout, nbytes",
+                         (ids,)).fetchall()
+        for entry_id, tenant, ck, _, _ in rows:
             c.execute("INSERT INTO removals (id, tenant, compat_key) VALUES (%s, %s, %s)", (entry_id, tenant, ck))
         if rows:
             c.execute("DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - %s", (REMOVAL_LOG_KEEP,))
+            self._add_bytes(c, -sum(int(r[4]) for r in rows))
         return [(r[0], json.loads(r[3])) for r in rows]
 
     def _discard_staged(self, layout: dict[str, Any]) -> None:
@@ -757,7 +782,12 @@ class SharedStore:
 
     @staticmethod
     def _total_bytes(c: Any) -> int:
-        return int(c.execute("SELECT coalesce(sum(nbytes), 0) FROM entries").fetchone()[0])
+        return int(c.execute("SELECT value FROM meta WHERE key = 'total_bytes'").fetchone()[0])
+
+    @staticmethod
+    def _add_bytes(c: Any, n: int) -> None:
+        if n:
+            c.execute("UPDATE meta SET value = (value::bigint + %s)::text WHERE key = 'total_bytes'", (int(n),))
 
     def entries(self, tenant: str | None = None) -> list[EntryMeta]:
         """All entries (of ``tenant``), oldest admission first."""
