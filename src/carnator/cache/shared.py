@@ -53,7 +53,7 @@ from .blobfs import FsspecBlobStore, ReadThroughBlobs
 from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import LCBFU, LRU, get_eviction
 from .index import ScopeIndex, resolve_backend
-from .metadb import FORMAT_VERSION, REMOVAL_LOG_KEEP, Lease, ScopeRow, SyncState, dump_extra
+from .metadb import FORMAT_VERSION, REMOVAL_LOG_KEEP, Lease, SyncState, dump_extra
 from .protocol import StoreSpec
 from .store import check_blobs, read_tensors
 
@@ -708,11 +708,6 @@ class SharedStore:
         return SyncState(epoch=epoch[0] if epoch else "", entry_seq=int(eseq), removal_seq=int(rmax),
                          oldest_logged_removal=None if rmin is None else int(rmin))
 
-    def _scope_rows(self, c: Any, tenant: str, compat_key: str, after: int = 0) -> list[ScopeRow]:
-        rows = c.execute("SELECT seq, id, embedding FROM entries WHERE tenant = %s AND compat_key = %s AND seq > %s "
-                         "ORDER BY seq", (tenant, compat_key, after))
-        return [ScopeRow(int(s), str(i), np.frombuffer(bytes(e), dtype="<f4").astype(np.float32)) for s, i, e in rows]
-
     def _scope_index(self, c: Any, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
         """This replica's index of one scope, brought up to date with the snapshot ``c`` sees (the bank's design: the
         entry sequence gives what was added since, the removal log what was removed; a new epoch, a changed size or
@@ -725,9 +720,7 @@ class SharedStore:
         if (scope is None or scope.epoch != state.epoch or scope.index.dim != dim
                 or (state.removal_seq > scope.removal_seq and not covers)):
             index = ScopeIndex(dim, self._backend)
-            rows = self._scope_rows(c, tenant, compat_key)
-            if rows:
-                index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
+            self._add_rows(c, index, tenant, compat_key, 0)
             self._scopes[key] = _Scope(index, state.epoch, state.entry_seq, state.removal_seq)
             return index
         if state.removal_seq > scope.removal_seq:
@@ -736,11 +729,24 @@ class SharedStore:
             scope.index.remove(gone)
             scope.removal_seq = state.removal_seq
         if state.entry_seq > scope.entry_seq:
-            rows = self._scope_rows(c, tenant, compat_key, scope.entry_seq)
-            if rows:
-                scope.index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
+            self._add_rows(c, scope.index, tenant, compat_key, scope.entry_seq)
             scope.entry_seq = state.entry_seq
         return scope.index
+
+    @staticmethod
+    def _add_rows(c: Any, index: ScopeIndex, tenant: str, compat_key: str, after: int, chunk: int = 20000) -> None:
+        """Add the scope's rows after sequence ``after`` to ``index``, ``chunk`` rows at a time (a cold start of 10^6
+        entries never holds them all as Python objects at once)."""
+        cur = c.cursor(name=f"scope_{uuid.uuid4().hex[:8]}")  # server-side: rows arrive in batches
+        cur.execute("SELECT id, embedding FROM entries WHERE tenant = %s AND compat_key = %s AND seq > %s ORDER BY seq",
+                    (tenant, compat_key, after))
+        while True:
+            rows = cur.fetchmany(chunk)
+            if not rows:
+                break
+            vecs = np.frombuffer(b"".join(bytes(e) for _, e in rows), dtype="<f4").reshape(len(rows), -1)
+            index.add([str(i) for i, _ in rows], vecs.astype(np.float32))
+        cur.close()
 
     @staticmethod
     def _scope_dim(c: Any, tenant: str, compat_key: str) -> int | None:

@@ -55,6 +55,7 @@ class ScaleConfig:
     num_cpus: float = 1.0
     separate_caches: bool = False
     min_similarity: float = 0.5
+    busy_at: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -62,19 +63,33 @@ class ScaleConfig:
 
 
 class AffinityRouter(FIFOMixin, RequestRouter):
-    """Prefer the replicas named in the request's ``affinity`` keyword (best first) when one has a free slot; else
-    the least loaded replica. Ranks are returned to Ray Serve, which probes queue lengths and takes the least loaded
-    replica of the first rank with room."""
+    """Send a request to the first replica named in its ``affinity`` keyword (the replica that produced its recall
+    neighbours) when that replica is not overloaded: fewer than ``busy_at`` jobs (``request_router_kwargs``; default
+    1: idle), asked of the replica itself. Otherwise (or with no hint) the least loaded replica: Ray Serve probes the
+    queue lengths of the last rank and takes the shortest with room."""
+
+    def initialize_state(self, busy_at: int = 1, **kwargs: Any) -> None:
+        self.busy_at = int(busy_at)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        import asyncio
+
         if not candidate_replicas:
             return []
         prefer: list[str] = []
         if pending_request is not None:
             prefer = list(pending_request.kwargs.get("affinity") or [])
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranks = [[by_id[p]] for p in prefer if p in by_id]
+        home = next((by_id[p] for p in prefer if p in by_id), None)
+        ranks: list[list[RunningReplica]] = []
+        if home is not None:
+            try:
+                queued = await asyncio.wait_for(home.get_queue_len(deadline_s=1.0), 1.0)
+            except Exception:  # noqa: BLE001 - no answer in time: treat it as busy
+                queued = None
+            if queued is not None and queued < getattr(self, "busy_at", 1):
+                ranks.append([home])
         ranks.append(list(candidate_replicas))  # everyone: Serve picks the shortest queue with room
         return ranks
 
@@ -242,7 +257,8 @@ class Replicas:
             "ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
         }
         if config.router == "affinity":
-            options["request_router_config"] = RequestRouterConfig(request_router_class=AffinityRouter)
+            options["request_router_config"] = RequestRouterConfig(request_router_class=AffinityRouter,
+                                                                   request_router_kwargs={"busy_at": config.busy_at})
         elif config.router != "pow2":
             raise ValueError(f"router must be affinity or pow2, got {config.router!r}")
         threads = None if config.num_gpus else max(1, int((os.cpu_count() or 1) // max(1, config.replicas)))

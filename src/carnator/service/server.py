@@ -57,6 +57,7 @@ class ServeConfig:
     ray_address: str | None = None
     router: str = "affinity"
     separate_caches: bool = False
+    affinity_busy_at: int = 1
 
 
 def load_keys(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -130,7 +131,8 @@ class Service:
                 EngineSpec(model=config.model, device="cuda" if gpu else "cpu", cache_dir=store_url, blobs=config.blobs,
                            config=spec_config),
                 ScaleConfig(replicas=config.replicas, ray_address=config.ray_address, router=config.router,
-                            num_gpus=1.0 if gpu else 0.0, num_cpus=1.0, separate_caches=config.separate_caches))
+                            num_gpus=1.0 if gpu else 0.0, num_cpus=1.0, separate_caches=config.separate_caches,
+                            busy_at=config.affinity_busy_at))
             names = [f"replica-slot-{i}" for i in range(config.replicas)]
             remote = RemoteEngine(self.replicas, local)
             engines = [remote] * config.replicas
