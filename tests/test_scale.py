@@ -32,6 +32,7 @@ def server(tmp_path_factory, postgres_url):
     args = ["--replicas", "2", "--store", store, "--blobs", str(root / "blobs"), "--allow-uncertified",
             "--max-steps", "400"]
     with ServerProcess(root / "ingress", args, timeout=300) as srv:
+        srv.store_url, srv.blobs = store, str(root / "blobs")
         yield srv
         rc = srv.stop(120)
         assert rc == 0, srv.output[-4000:]
@@ -65,7 +66,29 @@ def test_same_api_and_related_prompts_follow_their_neighbours_replica(server, ht
     assert repeat["stats"]["tier"] == "exact"  # the shared store's stored video
     assert http.get("/v1/videos/" + repeat["id"] + "/content").status_code == 200
     metrics = http.get("/metrics").text
-    assert re.search(r"^carnator_cache_store_unavailable_total 0\.0$", metrics, re.M), metrics
+    assert re.search(r"^carnator_cache_store_unavailable_total 0\.0$", metrics, re.MULTILINE), metrics
+
+
+def test_cancel_stops_the_job_on_its_replica(server):
+    """DELETE mid-job: the job is cancelled, its worker slot freed, and the replica stops at its next step (the
+    stream's end reaches it): the job's result is never stored, though it would have finished well within the wait."""
+    from carnator.cache.shared import SharedStore
+
+    with Client(server.url) as c:
+        t0 = time.monotonic()
+        probe = c.wait(c.submit("a yellow square bouncing on sand", seed=5, num_inference_steps=40)["id"], timeout=120)
+        per_step = (time.monotonic() - t0) / 40
+        job = c.submit("a yellow square bouncing on snow", seed=6, num_inference_steps=120)
+        deadline = time.monotonic() + 120
+        while c.get(job["id"])["progress"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        c.cancel(job["id"])
+        assert c.wait(job["id"], timeout=60)["status"] == "cancelled"
+        after = run(server, "a yellow square bouncing on grass", steps=8)  # the slot is free again
+        assert after["status"] == "completed" and probe["status"] == "completed"
+        time.sleep(min(30.0, 120 * per_step))  # the cancelled job would have finished by now
+    with SharedStore(server.store_url, blobs=server.blobs) as store:
+        assert not [e for e in store.entries() if e.prompt == "a yellow square bouncing on snow"]
 
 
 def test_a_replica_killed_mid_job_is_retried_once_elsewhere_and_completes(server):

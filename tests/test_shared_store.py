@@ -6,8 +6,8 @@ both stores."""
 from __future__ import annotations
 
 import logging
-import re
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -124,7 +124,7 @@ def test_racing_admissions_of_one_exact_request_leave_one_entry(two, tmp_path):
         barrier = threading.Barrier(2)
         got: dict[str, str | None] = {}
 
-        def admit(store, name):
+        def admit(store, name, barrier=barrier, got=got, round_=round_):
             barrier.wait()
             got[name] = store.admit(_spec(exact_key=f"same-{round_}", prompt="the same request"))
 
@@ -275,7 +275,7 @@ def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_pa
         pg.pause()
         down = run("a red ball moving left on grass")  # would be an exact hit
         assert down.status == "completed" and down.stats["tier"] == "miss" and not down.stats["stored"], down.stats
-        m = re.search(rb"^carnator_cache_store_unavailable_total (\S+)$", svc.metrics.render(), re.M)
+        m = re.search(rb"^carnator_cache_store_unavailable_total (\S+)$", svc.metrics.render(), re.MULTILINE)
         assert m and float(m.group(1)) >= 2
         pg.resume()
         time.sleep(0.3)

@@ -47,7 +47,17 @@ import torch
 
 from ..errors import CacheError, CorruptEntryError
 from .bank import (
-    _HOST, UNSET, _as_vector, _check_scope, _dim_message, _finite, _NoRoom, _pack, _pid_alive, _policy_name, _Scope,
+    _HOST,
+    UNSET,
+    _as_vector,
+    _check_scope,
+    _dim_message,
+    _finite,
+    _NoRoom,
+    _pack,
+    _pid_alive,
+    _policy_name,
+    _Scope,
 )
 from .blobfs import FsspecBlobStore, ReadThroughBlobs
 from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport

@@ -25,13 +25,19 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from ray import serve
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
 
 from ..errors import Cancelled, GenerationError, InvalidRequestError
 
@@ -135,6 +141,35 @@ class AffinityIndex:
         return sorted(score, key=lambda r: -score[r])
 
 
+# -- cancelling across processes ---------------------------------------------------------------------
+
+BOARD_NAME = "carnator-cancel-board"
+#: how often a running job asks the board whether it was cancelled (seconds)
+CANCEL_POLL_S = 0.5
+
+
+class CancelBoard:
+    """A tiny Ray actor holding the tokens of cancelled jobs: the ingress writes, replicas read (Ray Serve does not
+    stop a streaming call's generator when the caller cancels it, and a cancel cannot be routed to one replica)."""
+
+    def __init__(self) -> None:
+        self._tokens: OrderedDict[str, None] = OrderedDict()
+
+    def cancel(self, token: str) -> None:
+        self._tokens[token] = None
+        while len(self._tokens) > 10000:
+            self._tokens.popitem(last=False)
+
+    def is_cancelled(self, token: str) -> bool:
+        return token in self._tokens
+
+
+def _board():
+    import ray
+
+    return ray.get_actor(BOARD_NAME, namespace="carnator")
+
+
 # -- the replica ----------------------------------------------------------------------------------
 
 
@@ -168,9 +203,26 @@ class EngineReplica:
         st = self.engine.store
         return {"blob_bytes_read": int(getattr(st, "bytes_read", 0)), "store_unavailable": int(getattr(st, "unavailable", 0))}
 
-    def generate(self, params: dict[str, Any], tenant: str, affinity: list[str] | None = None):
+    def generate(self, params: dict[str, Any], tenant: str, affinity: list[str] | None = None, token: str | None = None):
+        import ray
+
         events: queue.Queue = queue.Queue()
         stop = threading.Event()
+        last = [time.monotonic()]
+
+        def cancelled() -> bool:  # at every step: the stream closed, or the ingress cancelled the job
+            if stop.is_set():
+                return True
+            if token is None or time.monotonic() - last[0] < CANCEL_POLL_S:
+                return False
+            last[0] = time.monotonic()
+            try:
+                if ray.get(_board().is_cancelled.remote(token), timeout=5):
+                    stop.set()
+            except Exception as exc:  # noqa: BLE001 - the board unreachable: carry on
+                log.debug("cancel board: %s", exc)
+            return stop.is_set()
+
         yield {"kind": "started", "replica": self.replica, "pid": os.getpid()}
 
         def run() -> None:
@@ -182,7 +234,7 @@ class EngineReplica:
                     num_frames=p.get("num_frames"), height=p.get("height"), width=p.get("width"),
                     guidance_scale=p.get("guidance_scale"), tenant=tenant, cache=p.get("cache", "reuse"),
                     progress=lambda d, t: events.put({"kind": "progress", "done": d, "total": t}),
-                    cancel=stop.is_set,
+                    cancel=cancelled,
                     events=lambda k, d: events.put({"kind": "event", "name": k, "data": _plain(d)}),
                 )
                 emb = None
@@ -196,7 +248,7 @@ class EngineReplica:
                 events.put({"kind": "cancelled"})
             except InvalidRequestError as e:
                 events.put({"kind": "error", "type": "invalid_request", "message": str(e)})
-            except Exception as e:  # noqa: BLE001 - sent to the ingress as the job's reason
+            except Exception as e:
                 log.exception("job failed on replica %s", self.replica)
                 events.put({"kind": "error", "type": "generation_error", "message": str(e).strip().splitlines()[0]
                             if str(e).strip() else type(e).__name__})
@@ -263,6 +315,8 @@ class Replicas:
             raise ValueError(f"router must be affinity or pow2, got {config.router!r}")
         threads = None if config.num_gpus else max(1, int((os.cpu_count() or 1) // max(1, config.replicas)))
         app = EngineReplica.options(**options).bind(spec.to_dict(), config.separate_caches, threads)
+        self.board = ray.remote(num_cpus=0)(CancelBoard).options(name=BOARD_NAME, namespace="carnator",
+                                                                  get_if_exists=True).remote()
         self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
         self.affinity = AffinityIndex(config.min_similarity) if config.router == "affinity" else None
 
@@ -316,7 +370,8 @@ class RemoteEngine:
                 log.debug("no affinity hint: %s", exc)
         last: BaseException | None = None
         for attempt in (1, 2):
-            gen = self.replicas.handle.options(stream=True).generate.remote(params, tenant, affinity=affinity)
+            token = uuid.uuid4().hex
+            gen = self.replicas.handle.options(stream=True).generate.remote(params, tenant, affinity=affinity, token=token)
             replica = "?"
             try:
                 for item in gen:
@@ -344,6 +399,7 @@ class RemoteEngine:
                             raise InvalidRequestError(item["message"])
                         raise GenerationError(item["message"])
                     if cancel is not None and cancel():
+                        self.replicas.board.cancel.remote(token)  # the replica stops at its next step
                         gen.cancel()
                         raise Cancelled()
                 raise RayError("the replica's stream ended without a result")
