@@ -93,7 +93,7 @@ def test_cancel_stops_the_job_on_its_replica(server):
 
 def test_a_replica_killed_mid_job_is_retried_once_elsewhere_and_completes(server):
     with Client(server.url) as c:
-        job = c.submit("a green cube moving up on snow", seed=11, num_inference_steps=300)
+        job = c.submit("a green cube moving up on snow", seed=11, num_inference_steps=160)
         deadline = time.monotonic() + 120
         seen = len(server.lines)
         pid = None
