@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from carnator.cache import VIDEO, CacheBank, CacheStore, LocalBlobStore, StoreSpec, _faults
+from carnator.cache import VIDEO, CacheBank, CacheStore, StoreSpec, _faults
 from carnator.cache.bank import BLOB_DIR, DB_FILE, QUARANTINE_DIR
 from carnator.cache.journal import JOURNAL_FILE
 from carnator.cache.store import blob_key
@@ -53,117 +53,165 @@ def _python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
-class CountingBlobStore(LocalBlobStore):
-    """The real local blob store, counting the bytes it reads."""
-
-    def __init__(self, inner: LocalBlobStore) -> None:
-        super().__init__(inner.directory, inner.quarantine_dir, read_only=inner.read_only)
-        self.bytes_read = 0
-        self.reads: list[tuple[str, int, int | None]] = []
-
-    def read(self, key, offset=0, length=None):
-        data = super().read(key, offset, length)
-        self.bytes_read += len(data)
-        self.reads.append((key, offset, length))
-        return data
-
-
 @pytest.fixture
 def bank(tmp_path):
     with CacheBank(tmp_path / "bank") as b:
         yield b
 
 
+class CountingBlobs:
+    """Any blob store, counting the bytes read through it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.bytes_read, self.reads = inner, 0, []
+
+    def read(self, key, offset=0, length=None):
+        data = self.inner.read(key, offset, length)
+        self.bytes_read += len(data)
+        self.reads.append((key, offset, length))
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(params=["local", "shared"])
+def open_store(request, tmp_path):
+    """Opens the store under test (again: another opener of the same store): the local bank, or the shared store
+    (a real PostgreSQL schema + a blob directory). Protocol-level tests run against both."""
+    opened = []
+    if request.param == "local":
+        def factory():
+            opened.append(CacheBank(tmp_path / "bank"))
+            return opened[-1]
+    else:
+        from carnator.cache.shared import SharedStore
+
+        url = request.getfixturevalue("pg_schema_url")
+
+        def factory():
+            opened.append(SharedStore(url, blobs=str(tmp_path / "blobs")))
+            return opened[-1]
+    yield factory
+    for s in opened:
+        s.close()
+
+
+@pytest.fixture
+def store(open_store):
+    return open_store()
+
+
+def _blob_path(store, entry_id: str, kind: str = "tensors") -> Path:
+    if isinstance(store, CacheBank):
+        return _blob(store, entry_id, kind)
+    return Path(store.blobs_url) / blob_key(entry_id, kind)
+
+
+def _quarantine_dir(store) -> Path:
+    return store.root / QUARANTINE_DIR if isinstance(store, CacheBank) else Path(store.blobs_url) / "quarantine"
+
+
+def _put_lease(store, exact_key: str, expires: float) -> None:
+    """A lease held by someone on another host (as a peer would leave it)."""
+    if isinstance(store, CacheBank):
+        with store._db.write() as conn:
+            conn.execute("INSERT INTO leases VALUES ('t', ?, 'someone', 'another-host', 1, ?)", (exact_key, expires))
+    else:
+        with store._tx(write=True) as c:
+            c.execute("INSERT INTO leases VALUES ('t', %s, 'someone', 'another-host', 1, %s)", (exact_key, expires))
+
+
 # -- the protocol ---------------------------------------------------------------------------------
 
 
-def test_bank_is_a_cache_store_and_keeps_its_word(bank):
-    assert isinstance(bank, CacheStore)
+def test_bank_is_a_cache_store_and_keeps_its_word(store):
+    assert isinstance(store, CacheStore)
     # admit -> id; lookup_exact finds it by (tenant, exact_key) only
-    a = bank.admit(_spec([1, 0], exact_key="e1", steps_saved=20, extra={"nouns": ["ball"]}))
-    b = bank.admit(_spec([0, 1], exact_key="e2"))
-    other = bank.admit(_spec([1, 0], tenant="u", exact_key="e1"))
+    a = store.admit(_spec([1, 0], exact_key="e1", steps_saved=20, extra={"nouns": ["ball"]}))
+    b = store.admit(_spec([0, 1], exact_key="e2"))
+    other = store.admit(_spec([1, 0], tenant="u", exact_key="e1"))
     assert len({a, b, other}) == 3
-    assert bank.lookup_exact("t", "e1").id == a and bank.lookup_exact("u", "e1").id == other
-    assert bank.lookup_exact("t", "nope") is None
+    assert store.lookup_exact("t", "e1").id == a and store.lookup_exact("u", "e1").id == other
+    assert store.lookup_exact("t", "nope") is None
     # get: metadata, with the names load can read
-    meta = bank.get(a)
+    meta = store.get(a)
     assert meta.tensor_names == tuple(sorted([*(f"traj.{i}" for i in range(30)), VIDEO])) and meta.has_video
-    assert meta.extra == {"nouns": ["ball"]} and meta.steps_saved == 20 and bank.get("nope") is None
+    assert meta.extra == {"nouns": ["ball"]} and meta.steps_saved == 20 and store.get("nope") is None
     # recall: nearest first, within (tenant, compat_key)
-    got = bank.recall("t", "k", [1, 0.1], k=10)
+    got = store.recall("t", "k", [1, 0.1], k=10)
     assert [m.id for m, _ in got] == [a, b] and got[0][1] == pytest.approx(1 / np.sqrt(1.01))
-    assert bank.recall("t", "other-key", [1, 0]) == []
+    assert store.recall("t", "other-key", [1, 0]) == []
     # load: all, some, the video; KeyError for names never admitted; None for unknown ids
-    assert set(bank.load(a)) == set(meta.tensor_names)
-    np.testing.assert_array_equal(bank.load(a, [VIDEO])[VIDEO].numpy(), VID)
-    assert torch.equal(bank.load(a, ["traj.29"])["traj.29"], torch.full((64,), 29.0))
+    assert set(store.load(a)) == set(meta.tensor_names)
+    np.testing.assert_array_equal(store.load(a, [VIDEO])[VIDEO].numpy(), VID)
+    assert torch.equal(store.load(a, ["traj.29"])["traj.29"], torch.full((64,), 29.0))
     with pytest.raises(KeyError, match="no tensors named"):
-        bank.load(a, ["attn.0"])
-    assert bank.load("nope") is None
+        store.load(a, ["attn.0"])
+    assert store.load("nope") is None
     # touch: recency and use count; False for a gone entry
-    assert bank.touch(a, steps_saved=25) and bank.get(a).use_count == 1 and bank.get(a).steps_saved == 25
-    assert not bank.touch("nope")
+    assert store.touch(a, steps_saved=25) and store.get(a).use_count == 1 and store.get(a).steps_saved == 25
+    assert not store.touch("nope")
     # stats: counts and bytes, the store's settings; of one tenant when asked
-    st = bank.stats()
+    st = store.stats()
     assert (st.count, st.capacity_bytes, st.eviction) == (3, None, "lru")
-    assert st.bytes == sum(e.nbytes for e in bank.entries())
-    assert bank.stats("u").count == 1 and set(bank.stats("u").tenants) == {"u"}
+    assert st.bytes == sum(e.nbytes for e in store.entries())
+    assert store.stats("u").count == 1 and set(store.stats("u").tenants) == {"u"}
     # evict: how many existed
-    assert bank.evict([a, "nope"]) == 1 and bank.get(a) is None and bank.load(a) is None
+    assert store.evict([a, "nope"]) == 1 and store.get(a) is None and store.load(a) is None
     # single_flight: a free key is entered at once, not waited for
-    with bank.single_flight("t", "e9", timeout_s=5) as waited:
+    with store.single_flight("t", "e9", timeout_s=5) as waited:
         assert waited is False
     # an entry without video serves no exact hit
-    c = bank.admit(_spec([1, 1], video=None, exact_key="e3"))
-    assert not bank.get(c).has_video
+    c = store.admit(_spec([1, 1], video=None, exact_key="e3"))
+    assert not store.get(c).has_video
     with pytest.raises(KeyError):
-        bank.load(c, [VIDEO])
+        store.load(c, [VIDEO])
 
 
-def test_video_is_reserved_for_the_video(bank):
+def test_video_is_reserved_for_the_video(store):
     with pytest.raises(ValueError, match="reserved"):
-        bank.admit(_spec(tensors={VIDEO: torch.zeros(3)}))
+        store.admit(_spec(tensors={VIDEO: torch.zeros(3)}))
     with pytest.raises(TypeError, match="StoreSpec"):
-        bank.admit({"tenant": "t"})
+        store.admit({"tenant": "t"})
 
 
 # -- per-tensor lazy loads --------------------------------------------------------------------------
 
 
-def test_exact_hit_reads_only_the_video_and_a_step_only_its_tensor(bank):
+def test_exact_hit_reads_only_the_video_and_a_step_only_its_tensor(store):
     big = {f"traj.{i}": torch.randn(4096) for i in range(30)}  # 30 x 16 KiB of trajectory
-    entry = bank.admit(_spec(tensors=big, exact_key="e"))
-    counter = CountingBlobStore(bank._blobs)
-    bank._blobs = counter
-    out = bank.load(bank.lookup_exact("t", "e").id, [VIDEO])
+    entry = store.admit(_spec(tensors=big, exact_key="e"))
+    counter = CountingBlobs(store._blobs)
+    store._blobs = counter
+    out = store.load(store.lookup_exact("t", "e").id, [VIDEO])
     np.testing.assert_array_equal(out[VIDEO].numpy(), VID)
     assert counter.bytes_read == VID.nbytes  # the video's bytes, not a byte of trajectory
     assert [k for k, _, _ in counter.reads] == [blob_key(entry, "video")]
     counter.bytes_read = 0
-    out = bank.load(entry, ["traj.29"])
+    out = store.load(entry, ["traj.29"])
     assert torch.equal(out["traj.29"], big["traj.29"]) and counter.bytes_read == 4096 * 4
     counter.bytes_read = 0
-    assert set(bank.load(entry)) == {*big, VIDEO}  # everything: each blob read once
-    assert counter.bytes_read <= os.path.getsize(_blob(bank, entry)) + VID.nbytes
+    assert set(store.load(entry)) == {*big, VIDEO}  # everything: each blob read once
+    assert counter.bytes_read <= os.path.getsize(_blob_path(store, entry)) + VID.nbytes
 
 
-def test_one_bad_tensor_quarantines_the_entry_and_nothing_corrupt_is_served(bank, caplog):
-    entry = bank.admit(_spec(exact_key="e"))
-    path = _blob(bank, entry)
+def test_one_bad_tensor_quarantines_the_entry_and_nothing_corrupt_is_served(store, caplog):
+    entry = store.admit(_spec(exact_key="e"))
+    path = _blob_path(store, entry)
     header_len = int.from_bytes(path.read_bytes()[:8], "little")
     header = json.loads(path.read_bytes()[8 : 8 + header_len])
     lo, _ = header["traj.3"]["data_offsets"]
     raw = bytearray(path.read_bytes())
     raw[8 + header_len + lo + 1] ^= 0x40  # one bit of traj.3
     path.write_bytes(bytes(raw))
-    assert torch.equal(bank.load(entry, ["traj.4"])["traj.4"], torch.full((64,), 4.0))  # intact tensors are intact
-    np.testing.assert_array_equal(bank.load(entry, [VIDEO])[VIDEO].numpy(), VID)  # the video is its own blob
+    assert torch.equal(store.load(entry, ["traj.4"])["traj.4"], torch.full((64,), 4.0))  # intact tensors are intact
+    np.testing.assert_array_equal(store.load(entry, [VIDEO])[VIDEO].numpy(), VID)  # the video is its own blob
     with caplog.at_level(logging.WARNING, logger="carnator.cache"):
-        assert bank.load(entry, ["traj.3"]) is None
+        assert store.load(entry, ["traj.3"]) is None
     assert "traj.3" in caplog.text and "failed its checksum" in caplog.text
-    assert bank.get(entry) is None and bank.lookup_exact("t", "e") is None and bank.load(entry, [VIDEO]) is None
-    assert sorted(p.name.split(".")[1] for p in (bank.root / QUARANTINE_DIR).iterdir()) == ["tensors", "video"]
+    assert store.get(entry) is None and store.lookup_exact("t", "e") is None and store.load(entry, [VIDEO]) is None
+    assert sorted(p.name.split(".")[1] for p in _quarantine_dir(store).iterdir()) == ["tensors", "video"]
 
 
 def test_old_format_directory_gets_a_clear_error(tmp_path):
@@ -175,16 +223,15 @@ def test_old_format_directory_gets_a_clear_error(tmp_path):
 # -- settings are the store's ---------------------------------------------------------------------
 
 
-def test_capacity_is_the_stores_not_the_openers(tmp_path):
+def test_capacity_is_the_stores_not_the_openers(open_store):
     """A CLI generate grew a 40 MB-capped folder to 52.5 MB while `cache stats` said unbounded: the cap was the
     opener's. Now it is stored: another opener (another process) keeps it, and stats tells it."""
-    root = tmp_path / "bank"
-    with CacheBank(root) as probe:
+    with open_store() as probe:
         size = probe.get(probe.admit(_spec())).nbytes
         probe.clear()
-    with CacheBank(root) as first:
+    with open_store() as first:
         assert first.configure(capacity_bytes=3 * size, eviction="lcbfu").capacity_bytes == 3 * size
-    with CacheBank(root) as second:  # knows nothing of the cap but what the store says
+    with open_store() as second:  # knows nothing of the cap but what the store says
         assert (second.stats().capacity_bytes, second.stats().eviction) == (3 * size, "lcbfu")
         ids = [second.admit(_spec(prompt=f"p{i}")) for i in range(5)]
         assert second.stats().bytes <= 3 * size and second.stats().count == 3
@@ -424,14 +471,14 @@ def test_single_flight_runs_one_holder_at_a_time_across_processes(tmp_path):
         assert waited is False  # taken over at once: nobody was really running it
 
 
-def test_single_flight_between_threads_and_expired_leases(bank):
+def test_single_flight_between_threads_and_expired_leases(store):
     import threading
 
     order: list[str] = []
     entered = threading.Event()
 
     def holder():
-        with bank.single_flight("t", "k1", timeout_s=30):
+        with store.single_flight("t", "k1", timeout_s=30):
             entered.set()
             time.sleep(0.3)
             order.append("holder done")
@@ -439,20 +486,18 @@ def test_single_flight_between_threads_and_expired_leases(bank):
     th = threading.Thread(target=holder)
     th.start()
     entered.wait(5)
-    with bank.single_flight("t", "k1", timeout_s=30) as waited:
+    with store.single_flight("t", "k1", timeout_s=30) as waited:
         order.append("waiter in")
     th.join()
     assert order == ["holder done", "waiter in"] and waited is True
     # A lease past its expiry (a holder stuck or gone elsewhere) is taken over.
-    with bank._db.write() as conn:
-        conn.execute("INSERT INTO leases VALUES ('t', 'k2', 'someone', 'another-host', 1, ?)", (time.time() - 1,))
-    with bank.single_flight("t", "k2", timeout_s=30) as waited:
+    _put_lease(store, "k2", time.time() - 1)
+    with store.single_flight("t", "k2", timeout_s=30) as waited:
         assert waited is False
     # Waiting past timeout_s enters anyway (warning): a stuck peer never blocks a request forever.
-    with bank._db.write() as conn:
-        conn.execute("INSERT INTO leases VALUES ('t', 'k3', 'someone', 'another-host', 1, ?)", (time.time() + 600,))
+    _put_lease(store, "k3", time.time() + 600)
     t0 = time.monotonic()
-    with bank.single_flight("t", "k3", timeout_s=0.3) as waited:
+    with store.single_flight("t", "k3", timeout_s=0.3) as waited:
         assert waited is True and 0.25 <= time.monotonic() - t0 < 5
 
 

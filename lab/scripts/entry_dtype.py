@@ -5,7 +5,11 @@
 Three prompts, each generated with one seed and then re-rolled with another (a reuse hit), once per dtype, each in a
 fresh cache; prints bytes per entry and how far the hits' frames lie apart between the two dtypes (0-255 scale).
 """
-import tempfile, numpy as np, json, time
+import json
+import tempfile
+
+import numpy as np
+
 from carnator import Carnator, EngineConfig
 out = {}
 prompts = [("a small red ball moving left on grass", 1, 5), ("a big blue box moving right on sand", 2, 6), ("a green triangle moving up on snow", 3, 7)]

@@ -83,6 +83,30 @@ def _add_gen_args(p: argparse.ArgumentParser, cache_help: str | None = None) -> 
                         "(VALUE is JSON, else a string; repeatable; fields: docs/METHOD.md)")
 
 
+def _add_store_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    where = "the --cache-dir directory" if serve else "--cache-dir"
+    p.add_argument("--store", default=None, metavar="URL",
+                   help=f"the cache store: sqlite:///PATH (a local directory; default: {where}) or postgresql://USER@HOST/DB"
+                        "[?schema=NAME] (a store shared by many processes and hosts; needs --blobs)")
+    p.add_argument("--blobs", default=None, metavar="PATH_OR_URL",
+                   help="where a postgresql:// store keeps its tensors and videos: a shared directory (NFS) or an fsspec URL "
+                        "(s3://bucket/prefix with s3fs installed)")
+
+
+def _store_url(args) -> str | None:
+    """The store the command uses: --store, else --cache-dir (a user error when both are given)."""
+    store = getattr(args, "store", None)
+    if store and getattr(args, "cache_dir", None):
+        raise CarnatorError("give --store or --cache-dir, not both")
+    if getattr(args, "blobs", None) and not store:
+        raise CarnatorError("--blobs goes with --store postgresql://...")
+    return store or getattr(args, "cache_dir", None)
+
+
+def _where(store) -> str:
+    return str(getattr(store, "root", None) or store)
+
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
                "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -231,7 +255,8 @@ def _engine(args):
             raise CarnatorError("--capacity none: generating only sets a bound; lift it with `carnator cache config --capacity none`")
     config = EngineConfig(intra_cache=intra, capacity_bytes=capacity, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
                           cuda_graphs=getattr(args, "cuda_graphs", False), policy_options=_policy_options(getattr(args, "option", [])))
-    return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device, config=config)
+    return Carnator.from_pretrained(args.model, cache_dir=_store_url(args), device=args.device, config=config,
+                                    blobs=getattr(args, "blobs", None))
 
 
 def cmd_generate(args) -> int:
@@ -534,9 +559,9 @@ def _worker_failure(job: tuple[dict, dict, int]) -> str | None:
 
 
 def _bank(args):
-    from .cache import CacheBank, default_cache_dir
+    from .cache import open_store
 
-    return CacheBank(Path(args.cache_dir) if args.cache_dir else default_cache_dir())
+    return open_store(_store_url(args), blobs=args.blobs)
 
 
 def cmd_cache(args) -> int:
@@ -549,17 +574,17 @@ def cmd_cache(args) -> int:
             for e in rows:
                 seed = "-" if e.seed is None else e.seed
                 print(f"{e.id}  {e.tenant:<10} {e.nbytes:>10d} B  uses={e.use_count:<3d} seed={seed!s:<6} {e.prompt[:60]!r}")
-            print(f"{len(rows)} entries in {bank.root}")
+            print(f"{len(rows)} entries in {_where(bank)}")
         elif args.action == "stats":
             st = bank.stats(args.tenant)
-            print(f"cache: {bank.root}" + (f" (tenant {args.tenant})" if args.tenant else ""))
+            print(f"cache: {_where(bank)}" + (f" (tenant {args.tenant})" if args.tenant else ""))
             print(f"entries: {st.count}  bytes: {st.bytes}  capacity: {_size_words(st.capacity_bytes)}  eviction: {st.eviction}")
             for tenant, ts in sorted(st.tenants.items()):
                 print(f"  tenant {tenant}: {ts.count} entries, {ts.bytes} B")
         elif args.action == "verify":
             rep = bank.verify(tenant=args.tenant)
             notes = (f" (tenant {args.tenant})" if args.tenant else "") + (" (read-only: nothing repaired)" if rep.read_only else "")
-            print(f"cache: {bank.root}{notes}")
+            print(f"cache: {_where(bank)}{notes}")
             print(f"checked: {rep.checked}  quarantined: {len(rep.quarantined)}  missing: {len(rep.missing)}  lost: {len(rep.lost)}  "
                   f"recoveries: {len(rep.recoveries)}  orphans removed: {len(rep.orphans_removed)}")
             for line in rep.problems:
@@ -579,7 +604,7 @@ def cmd_cache(args) -> int:
                     kw["capacity_bytes"] = capacity
                 new = bank.configure(**kw)
                 settings = (new.capacity_bytes, new.eviction)
-            print(f"cache: {bank.root}")
+            print(f"cache: {_where(bank)}")
             print(f"capacity: {_size_words(settings[0])}  eviction: {settings[1]}")
         elif args.action == "clear":
             if not _confirm_clear(bank, args):
@@ -595,7 +620,7 @@ def _confirm_clear(bank, args) -> bool:
     if args.yes:
         return True
     n = len(bank.entries(tenant=args.tenant))
-    what = f"{n} entries" + (f" of tenant {args.tenant}" if args.tenant else "") + f" in {bank.root}"
+    what = f"{n} entries" + (f" of tenant {args.tenant}" if args.tenant else "") + f" in {_where(bank)}"
     if not sys.stdin.isatty():
         raise CarnatorError(f"cache clear would delete {what}; add --yes to confirm")
     return input(f"delete {what}? [y/N] ").strip().lower() in ("y", "yes")
@@ -674,6 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--capacity, --option, --intra-cache and --no-store stay the server's; --tenant is the API key's)")
     g.add_argument("--api-key", default=os.environ.get("CARNATOR_API_KEY"), metavar="KEY",
                    help="--server's API key (default: $CARNATOR_API_KEY)")
+    _add_store_args(g)
     _add_intra_cache_arg(g)
     g.set_defaults(func=cmd_generate)
 
@@ -778,6 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--capacity", default=None, metavar="SIZE", help="config: e.g. 40MB, 2GiB, 500000 (bytes) or none (unbounded)")
     c.add_argument("--eviction", default=None, choices=EVICTIONS, help="config: which entries go first when full")
     c.add_argument("-y", "--yes", action="store_true", help="clear: delete without asking")
+    _add_store_args(c)
     c.set_defaults(func=cmd_cache)
 
     s = sub.add_parser("serve", help="the video jobs service: HTTP API, live events, web page, metrics (docs/SERVING.md)",
@@ -801,6 +828,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most denoising steps a job may ask for (default: the model's limit)")
     s.add_argument("--max-attempts", type=_int_in(1, 100), default=2, metavar="N",
                    help="times a job is started before a server stopping mid-job fails it (default: %(default)s)")
+    _add_store_args(s, serve=True)
+    s.add_argument("--replicas", type=_int_in(1, 1024), default=None, metavar="N",
+                   help="run N engine replicas on Ray Serve behind this server (one GPU each with --device cuda, else one "
+                        "CPU each); use a postgresql:// --store so they share one cache. Needs: pip install 'carnator[scale]'")
+    s.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="with --replicas: the Ray cluster to join (auto: the one `ray start` runs here; default: start a "
+                        "local one)")
+    s.add_argument("--router", choices=("affinity", "pow2"), default="affinity",
+                   help="with --replicas: affinity (default: related prompts go to the replica that produced their recall "
+                        "neighbours unless it is busy) or pow2 (Ray Serve's default power-of-two choices, for comparison)")
     s.set_defaults(func=cmd_serve)
     return ap
 

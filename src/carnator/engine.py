@@ -97,12 +97,15 @@ class EngineConfig:
 class EngineSpec:
     """Everything that builds an engine, as plain data: the CLI, bench workers, the service and its replicas build
     identical engines from one spec (:meth:`Carnator.from_spec`). ``model``: "embedded" or a local diffusers
-    directory; ``cache_dir``: the cache directory (None: the default); ``config``: :class:`EngineConfig` fields."""
+    directory; ``cache_dir``: the cache store: a directory or ``sqlite:///path`` (None: the default directory) or a
+    ``postgresql://`` URL of a shared store; ``blobs``: where a shared store's blobs live (a path or fsspec URL);
+    ``config``: :class:`EngineConfig` fields."""
 
     model: str = "embedded"
     device: str | None = None
     cache_dir: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    blobs: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -151,13 +154,14 @@ class Carnator:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None,
-                        torch_dtype: torch.dtype | None = None, **kwargs) -> Carnator:
-        """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory."""
+                        torch_dtype: torch.dtype | None = None, blobs: str | os.PathLike | None = None, **kwargs) -> Carnator:
+        """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory. ``cache_dir``: a
+        directory, ``sqlite:///path`` or a ``postgresql://`` URL (then ``blobs`` says where its blobs live)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         _check_device(device)
         class_name = None if model == "embedded" else _pipeline_class(model)
         # Open the cache before loading the model, so that a bad cache directory fails fast.
-        store = _open_store(cache_dir, kwargs.get("config") or EngineConfig())
+        store = _open_store(cache_dir, kwargs.get("config") or EngineConfig(), blobs)
         if class_name is None:
             from .backbones.embedded import EmbeddedAdapter
             from .embedded import load_pipeline
@@ -177,7 +181,8 @@ class Carnator:
     @classmethod
     def from_spec(cls, spec: EngineSpec, **kwargs) -> Carnator:
         """The engine ``spec`` describes (``kwargs``: an ``embedder`` or ``nouns`` that are not data)."""
-        return cls.from_pretrained(spec.model, spec.cache_dir, device=spec.device, config=EngineConfig(**spec.config), **kwargs)
+        return cls.from_pretrained(spec.model, spec.cache_dir, device=spec.device, config=EngineConfig(**spec.config),
+                                   blobs=spec.blobs, **kwargs)
 
     @property
     def embedder(self):
@@ -557,11 +562,11 @@ def _pipeline_class(model: str | os.PathLike) -> str:
     return class_name
 
 
-def _open_store(cache_dir, config: EngineConfig) -> CacheStore:
-    from .cache import CacheBank, default_cache_dir
+def _open_store(cache_dir, config: EngineConfig, blobs=None) -> CacheStore:
+    from .cache import open_store
 
     if cache_dir is None or isinstance(cache_dir, (str, os.PathLike)):
-        store = CacheBank(Path(cache_dir) if cache_dir is not None else default_cache_dir())
+        store = open_store(cache_dir, blobs=blobs)
     else:
         store = cache_dir
     settings = {k: v for k, v in (("capacity_bytes", config.capacity_bytes), ("eviction", config.eviction)) if v is not None}

@@ -12,7 +12,8 @@
     hit = bank.lookup_exact("default", exact)
     frames = bank.load(hit.id, [VIDEO])  # reads the video's bytes only
 
-:class:`CacheBank` implements the :class:`CacheStore` protocol the engine calls. See :mod:`carnator.cache.bank` for
+:class:`CacheBank` implements the :class:`CacheStore` protocol the engine calls; ``open_store(url, blobs=...)``
+opens it or, for ``postgresql://`` URLs, the :class:`~carnator.cache.shared.SharedStore` that replicas share. See :mod:`carnator.cache.bank` for
 the on-disk layout and the crash-safety and concurrency rules, and docs/FAULTS.md for what it guarantees.
 """
 
@@ -25,6 +26,7 @@ from .metadb import FORMAT_VERSION
 from .paths import CACHE_DIR_ENV, default_cache_dir
 from .protocol import CacheStore, StoreSpec
 from .store import BlobStore, LocalBlobStore
+from .urls import is_shared, open_store
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -49,5 +51,7 @@ __all__ = [
     "default_cache_dir",
     "eviction_policies",
     "get_eviction",
+    "is_shared",
+    "open_store",
     "register_eviction",
 ]

@@ -221,6 +221,11 @@ class CacheBank:
     def index_backend(self) -> str:
         return self._backend
 
+    @property
+    def bytes_read(self) -> int:
+        """Blob bytes this process read from the bank (as :attr:`SharedStore.bytes_read`; benchmarks compare them)."""
+        return self._blobs.bytes_read
+
     # -- settings --------------------------------------------------------------------------------
 
     @_guarded

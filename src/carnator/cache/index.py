@@ -65,6 +65,7 @@ class ScopeIndex:
         self.ids: list[str] = []
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)
         self._flat: Any | None = None  # faiss.IndexFlatIP, rebuilt lazily after removals
+        self._buf: np.ndarray | None = None  # rows [0, len(ids)) are _vecs; the rest is room to grow
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -77,7 +78,15 @@ class ScopeIndex:
         if vecs.shape[1] != self.dim:
             raise ValueError(f"expected {self.dim}-d vectors, got {vecs.shape[1]}-d")
         self.ids.extend(ids)
-        self._vecs = np.concatenate([self._vecs, vecs]) if len(self._vecs) else vecs
+        # Amortised growth: one admission appends one row instead of copying the whole scope (at 10^6 x 384-d that
+        # copy is 1.5 GB per admission).
+        n, m = len(self._vecs), len(vecs)
+        if self._buf is None or n + m > len(self._buf):
+            buf = np.empty((max(2 * (n + m), 64), self.dim), dtype=np.float32)
+            buf[:n] = self._vecs
+            self._buf = buf
+        self._buf[n : n + m] = vecs
+        self._vecs = self._buf[: n + m]
         if self._flat is not None:
             self._flat.add(np.ascontiguousarray(vecs))
 
@@ -89,6 +98,7 @@ class ScopeIndex:
         if removed:
             self.ids = [self.ids[i] for i in keep]
             self._vecs = self._vecs[keep]
+            self._buf = None
             self._flat = None
         return removed
 

@@ -234,6 +234,7 @@ class LocalBlobStore(BlobStore):
         self.directory = Path(directory)
         self.quarantine_dir = Path(quarantine_dir)
         self.read_only = read_only
+        self.bytes_read = 0  # bytes read by this process (benchmarks compare it with a shared store's)
 
     def path(self, key: str) -> Path:
         return self.directory / key
@@ -271,6 +272,11 @@ class LocalBlobStore(BlobStore):
         return self.staged_path(key).exists()
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        data = self._read(key, offset, length)
+        self.bytes_read += len(data)
+        return data
+
+    def _read(self, key: str, offset: int, length: int | None) -> bytes:
         try:
             return _read_range(self.path(key), offset, length)
         except FileNotFoundError:

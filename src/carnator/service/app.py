@@ -98,6 +98,7 @@ class JobStats(BaseModel):
     entry_id: str | None = Field(None, description="the cache entry this job stored")
     stored: bool
     timings: dict[str, float] = Field(description="seconds per engine stage")
+    replica: str | None = Field(None, description="the engine replica that ran the job (carnator serve --replicas only)")
 
 
 class VideoJob(BaseModel):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 #: the engine stages timed as histograms (``Stats.timings`` keys)
 STAGES = ("exact_lookup", "recall", "probe", "decision", "dit", "decode", "store", "total")
@@ -46,17 +46,18 @@ class ServiceMetrics:
         self._lock = threading.Lock()
 
     def add_gauges(self, job_counts: Callable[[], Mapping[str, int]], cache_stats: Callable[[], Any],
-                   running: Callable[[], int]) -> None:
-        """Gauges read at scrape time: queue depth, running jobs, cache entries and bytes."""
-        self.registry.register(_Gauges(job_counts, cache_stats, running))
+                   running: Callable[[], int], store_unavailable: Callable[[], int] | None = None) -> None:
+        """Gauges read at scrape time: queue depth, running jobs, cache entries and bytes; and the counter of cache
+        calls served without the store (a shared store's PostgreSQL unreachable)."""
+        self.registry.register(_Gauges(job_counts, cache_stats, running, store_unavailable or (lambda: 0)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _Gauges:
-    def __init__(self, job_counts, cache_stats, running) -> None:
-        self._jobs, self._cache, self._running = job_counts, cache_stats, running
+    def __init__(self, job_counts, cache_stats, running, unavailable) -> None:
+        self._jobs, self._cache, self._running, self._unavailable = job_counts, cache_stats, running, unavailable
 
     def describe(self) -> Iterable:  # no call at registration (the store may be slow)
         return []
@@ -75,3 +76,9 @@ class _Gauges:
             entries = nbytes = float("nan")
         yield GaugeMetricFamily("carnator_cache_entries", "Entries in the cache (every tenant)", value=entries)
         yield GaugeMetricFamily("carnator_cache_bytes", "Bytes of the cache's entries (every tenant)", value=nbytes)
+        try:
+            down = float(self._unavailable())
+        except Exception:
+            down = float("nan")
+        yield CounterMetricFamily("carnator_cache_store_unavailable", "Cache calls served as misses because the "
+                                  "shared store's PostgreSQL could not be reached (requests ran dense)", value=down)

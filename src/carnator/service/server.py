@@ -51,6 +51,13 @@ class ServeConfig:
     fps: int = 8
     max_body_bytes: int = 256 * 1024
     engine_config: dict[str, Any] = field(default_factory=dict)
+    store: str | None = None
+    blobs: str | None = None
+    replicas: int = 0
+    ray_address: str | None = None
+    router: str = "affinity"
+    separate_caches: bool = False
+    affinity_busy_at: int = 1
 
 
 def load_keys(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -109,13 +116,36 @@ class Service:
         self.cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         self.metrics = ServiceMetrics()
         self.hub = EventHub()
-        names = devices_for(config.device)
-        if engines is None:
-            spec_config = {"allow_uncertified": config.allow_uncertified, **config.engine_config}
-            engines = [Carnator.from_spec(EngineSpec(model=config.model, device=d, cache_dir=str(self.cache_dir),
-                                                     config=spec_config)) for d in names]
-        for eng in engines:
-            eng.store = MeteredStore(eng.store, self.metrics)
+        self.replicas = None
+        store_url = config.store or str(self.cache_dir)
+        spec_config = {"allow_uncertified": config.allow_uncertified, **config.engine_config}
+        if config.replicas:
+            from .scale import RemoteEngine, Replicas, ScaleConfig
+
+            # the ingress keeps an engine on the CPU to validate requests and embed prompts for the router; the
+            # replicas build theirs from the same spec on their own devices
+            local = Carnator.from_spec(EngineSpec(model=config.model, device="cpu", cache_dir=store_url,
+                                                  blobs=config.blobs, config=spec_config))
+            gpu = config.device.startswith("cuda")
+            self.replicas = Replicas(
+                EngineSpec(model=config.model, device="cuda" if gpu else "cpu", cache_dir=store_url, blobs=config.blobs,
+                           config=spec_config),
+                ScaleConfig(replicas=config.replicas, ray_address=config.ray_address, router=config.router,
+                            num_gpus=1.0 if gpu else 0.0, num_cpus=1.0, separate_caches=config.separate_caches,
+                            busy_at=config.affinity_busy_at))
+            names = [f"replica-slot-{i}" for i in range(config.replicas)]
+            remote = RemoteEngine(self.replicas, local)
+            engines = [remote] * config.replicas
+            local.store = MeteredStore(local.store, self.metrics)
+            unavailable = remote.store_unavailable
+        else:
+            names = devices_for(config.device)
+            if engines is None:
+                engines = [Carnator.from_spec(EngineSpec(model=config.model, device=d, cache_dir=store_url,
+                                                         blobs=config.blobs, config=spec_config)) for d in names]
+            for eng in engines:
+                eng.store = MeteredStore(eng.store, self.metrics)
+            unavailable = lambda: sum(int(getattr(e.store, "unavailable", 0)) for e in engines)  # noqa: E731
         self.engine = engines[0]
         self.store: JobStore = store if store is not None else SqliteJobStore(self.cache_dir)
         self.pool = WorkerPool(self.store, [Device(n, e) for n, e in zip(names, engines)], self.hub, self.metrics,
@@ -127,7 +157,7 @@ class Service:
         if per is None:
             per = config.max_queue if config.keys is None else max(1, config.max_queue // 2)
         self.max_queue_per_tenant = per
-        self.metrics.add_gauges(self.store.counts, self.engine.store.stats, self.pool.running)
+        self.metrics.add_gauges(self.store.counts, self.engine.store.stats, self.pool.running, unavailable)
         self.recovered: dict[str, list[str]] = {}
         self._started = False
 
@@ -167,6 +197,8 @@ class Service:
             log.error("a worker did not stop within 60 s")
         with contextlib.suppress(Exception):
             self.store.close()
+        if self.replicas is not None:
+            self.replicas.shutdown()
 
     def not_ready(self) -> str | None:
         if self.pool.draining:
@@ -283,9 +315,26 @@ def main_args(args) -> int:
 
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
+    if args.blobs and not args.store:
+        raise CarnatorError("--blobs goes with --store postgresql://...")
+    if args.ray_address and not args.replicas:
+        raise CarnatorError("--ray-address goes with --replicas N")
+    if args.router != "affinity" and not args.replicas:
+        raise CarnatorError("--router goes with --replicas N")
+    if args.store:
+        from ..cache import open_store
+
+        open_store(args.store, blobs=args.blobs).close()  # a bad URL or an unreachable store: one line, now
+    if args.replicas:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise CarnatorError("--replicas needs Ray Serve: pip install 'carnator[scale]'") from None
     cfg = ServeConfig(host=args.host, port=args.port, model=args.model, cache_dir=args.cache_dir, keys=keys,
                       max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
-                      allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts)
+                      allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts,
+                      store=args.store, blobs=args.blobs, replicas=args.replicas or 0, ray_address=args.ray_address,
+                      router=args.router)
     logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     sys.stdout.flush()
     return run(cfg)

@@ -127,7 +127,7 @@ def summarize(stats, req, dense_seconds: float | None) -> dict[str, Any]:
         "steps": n, "steps_computed": int(computed), "speedup": speedup, "seconds": round(seconds, 4),
         "seconds_saved": round(max(0.0, dense_seconds - seconds), 4) if dense_seconds and tier != "miss" else 0.0,
         "reason": stats.reason, "certified": stats.certified, "source_id": stats.source_id, "entry_id": stats.entry_id,
-        "stored": stats.entry_id is not None or bool(stats.exact_hit),
+        "stored": stats.entry_id is not None or bool(stats.exact_hit), "replica": stats.notes.get("replica"),
         "timings": {k: round(float(v), 4) for k, v in stats.timings.items() if math.isfinite(v)},
     }
 

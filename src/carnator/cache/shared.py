@@ -1,0 +1,910 @@
+"""The shared cache store: metadata in PostgreSQL, blobs on shared storage (fsspec), a recall index per replica.
+
+    store = SharedStore("postgresql://user@db:5432/carnator", blobs="/mnt/nfs/carnator-blobs")   # or s3://bucket/dir
+
+What lives where:
+
+* PostgreSQL (psycopg 3): entry rows (metadata, recall embedding as float32 bytes, per-tensor checksums, tenant,
+  keys), per-scope embedding sizes, the removal log, single-flight leases and the store's settings (capacity,
+  eviction policy). Tables live in one schema (``?schema=NAME`` in the URL, default ``carnator``).
+* Shared storage (fsspec): immutable checksummed safetensors blobs, written exactly as :class:`CacheBank` writes them
+  (stage, commit the row, publish), so a crash anywhere leaves a staged blob without a row (swept after the grace
+  period) or a row whose blob is staged (published by its first reader).
+* Each replica: a FAISS index per ``(tenant, compat_key)`` scope, brought up to date before every search from the
+  entry sequence and removal log (the bank's sequence/epoch design), and a bounded read-through cache of blob bytes.
+
+Every write transaction takes one PostgreSQL advisory lock first, so writers are serialised: the entry sequence is
+assigned in commit order (a replica that has read up to ``seq`` never misses a smaller one committed later), and
+eviction is one policy over the whole store, decided inside the admitting transaction. Two replicas admitting the same
+exact request leave one entry (the later replaces the earlier, whose blobs are removed).
+
+When PostgreSQL cannot be reached, the store degrades instead of failing requests: lookups and recall are misses,
+loads return None, admissions store nothing (None) and touches return False, each counted in :attr:`unavailable` and
+warned about once per outage; after a failure it waits ``retry_s`` before trying to connect again. Administrative
+calls (configure, evict, clear, verify, stats) raise :class:`CacheError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+import urllib.parse
+import uuid
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CacheError, CorruptEntryError
+from .bank import (
+    _HOST,
+    UNSET,
+    _as_vector,
+    _check_scope,
+    _dim_message,
+    _finite,
+    _NoRoom,
+    _pack,
+    _pid_alive,
+    _policy_name,
+    _Scope,
+)
+from .blobfs import FsspecBlobStore, ReadThroughBlobs
+from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
+from .eviction import LCBFU, LRU, get_eviction
+from .index import ScopeIndex, resolve_backend
+from .metadb import FORMAT_VERSION, REMOVAL_LOG_KEEP, Lease, SyncState, dump_extra
+from .protocol import StoreSpec
+from .store import check_blobs, read_tensors
+
+log = logging.getLogger("carnator.cache")
+
+_COLUMNS = (
+    "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
+    "use_count, steps_saved, nbytes, embedding, extra, layout"
+)
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS entries (
+        seq BIGSERIAL PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        compat_key TEXT NOT NULL,
+        exact_key TEXT,
+        prompt TEXT NOT NULL,
+        negative_prompt TEXT,
+        seed TEXT,
+        created DOUBLE PRECISION NOT NULL,
+        last_used DOUBLE PRECISION NOT NULL,
+        use_count BIGINT NOT NULL DEFAULT 0,
+        steps_saved DOUBLE PRECISION NOT NULL DEFAULT 0,
+        nbytes BIGINT NOT NULL,
+        embedding BYTEA NOT NULL,
+        extra TEXT NOT NULL DEFAULT '{}',
+        layout TEXT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
+    "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
+    """CREATE TABLE IF NOT EXISTS scopes (
+        tenant TEXT NOT NULL, compat_key TEXT NOT NULL, dim INTEGER NOT NULL, PRIMARY KEY (tenant, compat_key))""",
+    """CREATE TABLE IF NOT EXISTS removals (
+        seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, tenant TEXT NOT NULL, compat_key TEXT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS removals_scope ON removals (tenant, compat_key, seq)",
+    """CREATE TABLE IF NOT EXISTS leases (
+        tenant TEXT NOT NULL, exact_key TEXT NOT NULL, holder TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
+        expires DOUBLE PRECISION NOT NULL, PRIMARY KEY (tenant, exact_key))""",
+)
+
+#: The built-in eviction policies' order (``eviction.LRU`` / ``LCBFU`` sort keys) in SQL.
+_SQL_ORDER = {"lru": 'last_used, created, id COLLATE "C"',
+              "lcbfu": 'steps_saved * use_count, last_used, created, id COLLATE "C"'}
+_BUILTIN = {"lru": LRU, "lcbfu": LCBFU}
+
+#: How long ``touch`` waits for a lock (statement timeout) before giving up: it is only bookkeeping.
+TOUCH_TIMEOUT_MS = 2000
+
+
+class StoreUnavailable(CacheError):
+    """PostgreSQL cannot be reached (down, refused, connection lost)."""
+
+
+def parse_store_url(url: str) -> tuple[str, str]:
+    """``postgresql://...[?schema=NAME]`` -> (connection URL without ``schema``, schema name)."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    schema = next((v for k, v in query if k == "schema"), "carnator")
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
+        raise CacheError(f"store URL: schema must be a lowercase SQL name ([a-z_][a-z0-9_]*), got {schema!r}")
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "schema"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), schema
+
+
+def _available(default: Any) -> Callable:
+    """Public read/bookkeeping calls: PostgreSQL unreachable -> ``default`` (a miss), counted and warned about."""
+
+    def deco(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def wrapper(self: SharedStore, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except StoreUnavailable as exc:
+                self._note_unavailable(method.__name__, exc)
+                return default() if callable(default) else default
+
+        return wrapper
+
+    return deco
+
+
+class SharedStore:
+    """A cache store shared by processes on many hosts; implements :class:`~carnator.cache.CacheStore`.
+
+    Args:
+        url: ``postgresql://user[:password]@host[:port]/database[?schema=NAME]`` (libpq URL; ``schema`` picks the
+            schema its tables live in, default ``carnator``).
+        blobs: where blobs live: a path (local or NFS) or an fsspec URL (``s3://bucket/prefix`` with s3fs installed).
+        read_only: serve lookups, loads and recall; store nothing.
+        index_backend: ``"auto"``, ``"faiss"`` or ``"numpy"`` (same results, different speed).
+        local_cache_bytes: bound of this process's read-through cache of blob bytes.
+        orphan_grace_s: blobs without a row younger than this are left alone by the sweep (an admission may be between
+            staging them and committing its row).
+        connect_timeout_s: how long to wait for PostgreSQL when (re)connecting.
+        retry_s: after PostgreSQL failed, serve degraded (misses) for this long before trying again.
+    """
+
+    def __init__(self, url: str, blobs: str | os.PathLike[str], *, read_only: bool = False, index_backend: str = "auto",
+                 local_cache_bytes: int = 256 << 20, orphan_grace_s: float = 600.0, connect_timeout_s: float = 3.0,
+                 retry_s: float = 2.0, clock: Callable[[], float] = time.time) -> None:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise CacheError("a postgresql:// store needs psycopg: pip install 'carnator[scale]'") from None
+        self.url = url
+        self._conninfo, self.schema = parse_store_url(url)
+        self.blobs_url = str(blobs)
+        self.read_only = bool(read_only)
+        self.orphan_grace_s = float(orphan_grace_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.retry_s = float(retry_s)
+        self._clock = clock
+        self._backend = resolve_backend(index_backend)
+        self._lock = threading.RLock()
+        self._scopes: dict[tuple[str, str], _Scope] = {}
+        self._conn: Any = None
+        self._pid = -1
+        self._down_until = 0.0
+        self._outage = False
+        self._closed = False
+        self._warned: set[str] = set()
+        self._lock_key = zlib.crc32(f"carnator:{self.schema}".encode()) & 0x7FFFFFFF
+        #: calls served degraded because PostgreSQL could not be reached (a metric: carnator_cache_store_unavailable)
+        self.unavailable = 0
+        try:
+            self.remote = FsspecBlobStore(self.blobs_url, read_only=self.read_only)
+        except (OSError, ValueError, ImportError) as exc:
+            raise CacheError(f"--blobs {self.blobs_url}: not usable ({exc})") from None
+        self._blobs = ReadThroughBlobs(self.remote, local_cache_bytes)
+        with self._lock:
+            self._connect()  # a wrong URL fails here, at start-up; an outage later degrades
+
+    # -- connection --------------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        import psycopg
+
+        if self._closed:
+            raise CacheError("the cache store is closed")
+        if self._conn is not None and not self._conn.closed and self._pid == os.getpid():
+            return self._conn
+        if time.monotonic() < self._down_until:
+            raise StoreUnavailable("PostgreSQL is unavailable (retrying shortly)")
+        try:
+            conn = psycopg.connect(self._conninfo, connect_timeout=max(1, int(self.connect_timeout_s)), autocommit=True)
+        except psycopg.OperationalError as exc:
+            self._down_until = time.monotonic() + self.retry_s
+            raise StoreUnavailable(f"cannot connect to PostgreSQL: {_first_line(exc)}") from None
+        except psycopg.Error as exc:
+            raise CacheError(f"store URL {_redact(self.url)}: {_first_line(exc)}") from None
+        try:
+            self._init_schema(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn, self._pid = conn, os.getpid()
+        if self._outage:
+            self._outage = False
+            log.warning("PostgreSQL is reachable again: the shared cache store serves hits again")
+        return conn
+
+    def _init_schema(self, conn: Any) -> None:
+        import psycopg
+
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._lock_key,))
+                if not self.read_only:
+                    conn.execute(f"CREATE SCHEMA IF NOT EXISTS {self.schema}")
+                conn.execute(f"SET search_path TO {self.schema}")
+                if not self.read_only:
+                    for stmt in _SCHEMA:
+                        conn.execute(stmt)
+                    conn.execute("INSERT INTO meta VALUES ('format_version', %s) ON CONFLICT DO NOTHING", (str(FORMAT_VERSION),))
+                    conn.execute("INSERT INTO meta VALUES ('epoch', %s) ON CONFLICT DO NOTHING", (secrets.token_hex(8),))
+                    # the sum of every entry's bytes, kept by the writers (a sum over 10^6 rows per admission is not)
+                    conn.execute("INSERT INTO meta SELECT 'total_bytes', coalesce(sum(nbytes), 0)::text FROM entries "
+                                 "ON CONFLICT DO NOTHING")
+                row = conn.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
+            conn.execute(f"SET search_path TO {self.schema}")  # a session setting, outside the transaction too
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailable(f"PostgreSQL: {_first_line(exc)}") from None
+        except psycopg.Error as exc:
+            raise CacheError(f"store {_redact(self.url)}: {_first_line(exc)}") from None
+        if row is None or row[0] != str(FORMAT_VERSION):
+            raise CacheError(f"store {_redact(self.url)} (schema {self.schema}) uses format version "
+                             f"{row[0] if row else '?'}, this carnator reads version {FORMAT_VERSION}")
+
+    @contextmanager
+    def _tx(self, *, write: bool = False, snapshot: bool = False, timeout_ms: int | None = None) -> Iterator[Any]:
+        """One transaction. ``write``: serialised with every other writer (advisory lock); ``snapshot``: every query
+        sees one snapshot (REPEATABLE READ). PostgreSQL unreachable -> :class:`StoreUnavailable`."""
+        import psycopg
+
+        with self._lock:
+            conn = self._connect()
+            try:
+                with conn.transaction():
+                    if snapshot:
+                        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                    if timeout_ms is not None:
+                        conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
+                    if write:
+                        if self.read_only:
+                            raise CacheError(f"cache store {_redact(self.url)} is read-only")
+                        conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._lock_key,))
+                    yield conn
+            except psycopg.OperationalError as exc:
+                if conn.closed or conn.broken:
+                    self._drop_connection()
+                    raise StoreUnavailable(f"lost PostgreSQL: {_first_line(exc)}") from None
+                raise CacheError(f"cache store: {_first_line(exc)}") from None
+            except psycopg.Error as exc:
+                raise CacheError(f"cache store: {_first_line(exc)}") from None
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        self._down_until = time.monotonic() + self.retry_s
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+
+    def _note_unavailable(self, what: str, exc: BaseException) -> None:
+        self.unavailable += 1
+        if not self._outage:
+            self._outage = True
+            log.warning("shared cache store unavailable (%s); requests run without the cache until it is back", exc)
+        else:
+            log.debug("shared cache store unavailable in %s: %s", what, exc)
+
+    def _warn_once(self, key: str, msg: str, *args: object) -> None:
+        level = logging.DEBUG if key in self._warned else logging.WARNING
+        self._warned.add(key)
+        log.log(level, msg, *args)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self._scopes.clear()
+
+    def __enter__(self) -> SharedStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SharedStore({_redact(self.url)!r}, blobs={self.blobs_url!r})"
+
+    @property
+    def index_backend(self) -> str:
+        return self._backend
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this process read from the shared blob storage (local read-through hits not counted)."""
+        return self.remote.bytes_read
+
+    # -- settings --------------------------------------------------------------------------------------
+
+    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: Any = None) -> CacheSettings:
+        """Store the whole store's capacity (bytes; None: unbounded) and eviction policy, for every replica; a lowered
+        capacity evicts down to it at once. Returns the settings now in force."""
+        if capacity_bytes is not UNSET and capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+                raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
+        name = None if eviction is None else _policy_name(eviction)
+        with self._tx(write=True) as c:
+            new = self._settings(c)
+            if capacity_bytes is not UNSET:
+                new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
+            if name is not None:
+                new = dataclasses.replace(new, eviction=name)
+            self._set_meta(c, "capacity_bytes", "none" if new.capacity_bytes is None else str(int(new.capacity_bytes)))
+            self._set_meta(c, "eviction", new.eviction)
+            removed: list[tuple[str, dict[str, Any]]] = []
+            if new.capacity_bytes is not None:
+                victims, _ = self._victims(c, self._total_bytes(c) - new.capacity_bytes, new)
+                removed = self._delete(c, victims)
+        self._delete_blobs(removed)
+        return new
+
+    def _settings(self, c: Any) -> CacheSettings:
+        rows = dict(c.execute("SELECT key, value FROM meta WHERE key IN ('capacity_bytes', 'eviction')").fetchall())
+        cap = rows.get("capacity_bytes")
+        return CacheSettings(capacity_bytes=None if cap in (None, "none") else int(cap), eviction=rows.get("eviction") or "lru")
+
+    @staticmethod
+    def _set_meta(c: Any, key: str, value: str) -> None:
+        c.execute("INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value", (key, value))
+
+    # -- writing ----------------------------------------------------------------------------------------
+
+    def admit(self, spec: StoreSpec) -> str | None:
+        """Store one completed request (see :meth:`CacheStore.admit`); None when it cannot fit, the store is read-only,
+        or PostgreSQL is unreachable (then counted in :attr:`unavailable`)."""
+        if not isinstance(spec, StoreSpec):
+            raise TypeError(f"admit takes a StoreSpec, not {type(spec).__name__}")
+        _check_scope(spec.tenant, spec.compat_key)
+        if not isinstance(spec.prompt, str):
+            raise TypeError("prompt must be a string")
+        if not _finite(spec.steps_saved):
+            raise ValueError(f"steps_saved must be a finite number, got {spec.steps_saved!r}")
+        if VIDEO in spec.tensors:
+            raise ValueError(f"tensor name {VIDEO!r} is reserved for the video: pass it as StoreSpec.video")
+        extra = dict(spec.extra or {})
+        dump_extra(extra)
+        vec = _as_vector(spec.embedding)
+        if self.read_only:
+            self._warn_once("admit", "cache store %s is read-only: results are not stored", _redact(self.url))
+            return None
+        try:
+            return self._admit(spec, vec, extra)
+        except StoreUnavailable as exc:
+            self._note_unavailable("admit", exc)
+            return None
+
+    def _admit(self, spec: StoreSpec, vec: np.ndarray, extra: dict[str, Any]) -> str | None:
+        with self._tx() as c:
+            dim = self._scope_dim(c, spec.tenant, spec.compat_key)
+            settings = self._settings(c)
+        if dim is not None and dim != vec.size:
+            raise CacheError(_dim_message(spec.tenant, spec.compat_key, dim, vec.size))
+        entry_id = uuid.uuid4().hex
+        blobs, layout = _pack(entry_id, spec.tensors, spec.video)
+        nbytes = sum(len(b) for b in blobs.values())
+        if settings.capacity_bytes is not None and nbytes > settings.capacity_bytes:
+            log.warning("not caching a %d-byte entry: it is larger than the cache's whole capacity of %d bytes", nbytes,
+                        settings.capacity_bytes)
+            return None
+        now = self._clock()
+        meta = EntryMeta(
+            id=entry_id, tenant=spec.tenant, compat_key=spec.compat_key, exact_key=spec.exact_key, prompt=spec.prompt,
+            negative_prompt=spec.negative_prompt, seed=None if spec.seed is None else int(spec.seed), created=now,
+            last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
+        )
+        try:
+            try:
+                for key, data in blobs.items():
+                    self._blobs.stage(key, data)
+            except OSError as exc:
+                raise CacheError(f"cannot write to blob storage {self.blobs_url}: {exc.strerror or exc}") from exc
+            del blobs
+            try:
+                removed = self._insert(meta, layout)
+            except _NoRoom as exc:
+                log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
+                removed = None
+        except BaseException:
+            self._discard_staged(layout)
+            raise
+        if removed is None:
+            self._discard_staged(layout)
+            return None
+        for key in layout["blobs"]:
+            try:
+                self._blobs.publish(key)
+            except OSError as exc:  # readers publish it
+                log.debug("could not publish cache blob %s: %s", key, exc)
+        self._delete_blobs(removed)
+        return entry_id
+
+    def _insert(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        with self._tx(write=True) as c:
+            for key in layout["blobs"]:
+                if not self._blobs.is_staged(key):  # the orphan sweep (under this lock) took it: we stalled too long
+                    raise CacheError(f"cache blob {key} of a new entry vanished from {self.blobs_url}")
+            dim = self._scope_dim(c, meta.tenant, meta.compat_key)
+            if dim is not None and dim != meta.embedding.size:
+                raise CacheError(_dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
+            settings = self._settings(c)
+            replaced = []
+            if meta.exact_key is not None:
+                replaced = [r[0] for r in c.execute("SELECT id FROM entries WHERE tenant = %s AND exact_key = %s",
+                                                    (meta.tenant, meta.exact_key))]
+            removed = self._delete(c, replaced)
+            need = self._total_bytes(c) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
+            victims, enough = self._victims(c, need, settings)
+            if not enough:
+                raise _NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
+                              f"{settings.capacity_bytes} bytes")
+            removed += self._delete(c, victims)
+            c.execute(
+                f"INSERT INTO entries ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                (meta.id, meta.tenant, meta.compat_key, meta.exact_key, meta.prompt, meta.negative_prompt,
+                 None if meta.seed is None else str(int(meta.seed)), meta.created, meta.last_used, int(meta.use_count),
+                 float(meta.steps_saved), int(meta.nbytes), np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
+                 dump_extra(meta.extra), json.dumps(layout, sort_keys=True, separators=(",", ":"))),
+            )
+            c.execute("INSERT INTO scopes VALUES (%s, %s, %s) ON CONFLICT (tenant, compat_key) DO UPDATE SET dim = EXCLUDED.dim",
+                      (meta.tenant, meta.compat_key, int(meta.embedding.size)))
+            self._add_bytes(c, meta.nbytes)
+        return removed
+
+    def _victims(self, c: Any, need: int, settings: CacheSettings) -> tuple[list[str], bool]:
+        if need <= 0:
+            return [], True
+        order = _SQL_ORDER.get(settings.eviction)
+        if order is not None and type(get_eviction(settings.eviction)) is _BUILTIN[settings.eviction]:
+            # The built-in policies' order, computed by PostgreSQL: read victims a batch at a time instead of every row.
+            chosen, freed, offset = [], 0, 0
+            while True:
+                rows = c.execute(f"SELECT id, nbytes FROM entries ORDER BY {order} LIMIT 256 OFFSET %s", (offset,)).fetchall()
+                if not rows:
+                    return chosen, False
+                for entry_id, nbytes in rows:
+                    chosen.append(entry_id)
+                    freed += int(nbytes)
+                    if freed >= need:
+                        return chosen, True
+                offset += len(rows)
+        candidates = {e.id: e for e in self._all(c)}
+        chosen: list[str] = []
+        freed = 0
+        for victim in get_eviction(settings.eviction).victims(list(candidates.values()), need):
+            entry = candidates.pop(victim, None)
+            if entry is None:
+                continue
+            chosen.append(victim)
+            freed += entry.nbytes
+            if freed >= need:
+                return chosen, True
+        return chosen, False
+
+    def _delete(self, c: Any, ids: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
+        """Delete rows (inside a write transaction) and log the removals; ``(id, layout)`` of those that existed."""
+        ids = list(ids)
+        if not ids:
+            return []
+        rows = c.execute("DELETE FROM entries WHERE id = ANY(%s) RETURNING id, tenant, compat_key, layout, nbytes",
+                         (ids,)).fetchall()
+        for entry_id, tenant, ck, _, _ in rows:
+            c.execute("INSERT INTO removals (id, tenant, compat_key) VALUES (%s, %s, %s)", (entry_id, tenant, ck))
+        if rows:
+            c.execute("DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - %s", (REMOVAL_LOG_KEEP,))
+            self._add_bytes(c, -sum(int(r[4]) for r in rows))
+        return [(r[0], json.loads(r[3])) for r in rows]
+
+    def _discard_staged(self, layout: dict[str, Any]) -> None:
+        for key in layout["blobs"]:
+            try:
+                self._blobs.delete(key)
+            except OSError as exc:  # an orphan: swept after the grace period
+                log.debug("could not delete staged cache blob %s: %s", key, exc)
+
+    def _delete_blobs(self, removed: Iterable[tuple[str, dict[str, Any]]]) -> None:
+        for _, layout in removed:
+            for key in layout["blobs"]:
+                try:
+                    self._blobs.delete(key)
+                except OSError as exc:  # an orphan: swept after the grace period
+                    log.warning("could not delete cache blob %s: %s", key, exc)
+
+    @_available(False)
+    def touch(self, entry_id: str, *, steps_saved: float | None = None) -> bool:
+        """Record one use; False when the entry is gone or the write could not be made (never raises)."""
+        if self.read_only:
+            self._warn_once("touch", "cache store is read-only: uses are not recorded")
+            return False
+        try:
+            with self._tx(timeout_ms=TOUCH_TIMEOUT_MS) as c:
+                if steps_saved is None:
+                    cur = c.execute("UPDATE entries SET last_used = %s, use_count = use_count + 1 WHERE id = %s",
+                                    (self._clock(), entry_id))
+                else:
+                    cur = c.execute("UPDATE entries SET last_used = %s, use_count = use_count + 1, steps_saved = %s "
+                                    "WHERE id = %s", (self._clock(), float(steps_saved), entry_id))
+                return cur.rowcount > 0
+        except StoreUnavailable:
+            raise
+        except CacheError as exc:
+            self._warn_once("touch", "could not record a use of cache entry %s (%s); carrying on", entry_id, exc)
+            return False
+
+    def evict(self, entry_ids: Iterable[str]) -> int:
+        """Remove these entries; how many existed."""
+        if isinstance(entry_ids, str):
+            raise TypeError("evict takes a collection of entry ids, not one string")
+        with self._tx(write=True) as c:
+            removed = self._delete(c, list(entry_ids))
+        self._delete_blobs(removed)
+        return len(removed)
+
+    def clear(self, tenant: str | None = None) -> int:
+        """Delete every entry (of ``tenant``); how many were deleted."""
+        with self._tx(write=True) as c:
+            where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
+            ids = [r[0] for r in c.execute(f"SELECT id FROM entries{where}", args)]
+            removed = self._delete(c, ids)
+            c.execute(f"DELETE FROM scopes{where}", args)
+            self._set_meta(c, "epoch", secrets.token_hex(8))
+        self._delete_blobs(removed)
+        return len(removed)
+
+    # -- single flight ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def single_flight(self, tenant: str, exact_key: str, timeout_s: float = 600.0) -> Iterator[bool]:
+        """Hold the right to generate ``exact_key`` (across every replica): a lease row naming its holder and expiry,
+        as :meth:`CacheBank.single_flight`. PostgreSQL unreachable: enter at once, uncoordinated."""
+        if not isinstance(tenant, str) or not tenant or not isinstance(exact_key, str) or not exact_key:
+            raise ValueError("tenant and exact_key must be non-empty strings")
+        if not _finite(timeout_s) or timeout_s < 0:
+            raise ValueError(f"timeout_s must be a non-negative number, got {timeout_s!r}")
+        me = Lease(f"{uuid.uuid4().hex[:12]}:{threading.get_ident()}", _HOST, os.getpid(), 0.0)
+        deadline = time.monotonic() + timeout_s
+        waited = held = False
+        delay = 0.01
+        if not self.read_only:
+            while True:
+                try:
+                    held = self._take_lease(tenant, exact_key, me, timeout_s)
+                except StoreUnavailable as exc:
+                    self._note_unavailable("single_flight", exc)
+                    break
+                except (CacheError, OSError) as exc:
+                    self._warn_once("lease", "single-flight lease unavailable (%s); generating without it", exc)
+                    break
+                if held:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("waited %.0f s for another worker generating the same request; generating it too", timeout_s)
+                    break
+                waited = True
+                time.sleep(min(delay, left))
+                delay = min(delay * 1.5, 0.2)
+        try:
+            yield waited
+        finally:
+            if held:
+                try:
+                    with self._tx() as c:
+                        c.execute("DELETE FROM leases WHERE tenant = %s AND exact_key = %s AND holder = %s",
+                                  (tenant, exact_key, me.holder))
+                except (CacheError, OSError) as exc:  # it expires by itself
+                    log.debug("could not release a single-flight lease: %s", exc)
+
+    def _take_lease(self, tenant: str, exact_key: str, me: Lease, ttl_s: float) -> bool:
+        with self._tx() as c:
+            row = c.execute("SELECT holder, host, pid, expires FROM leases WHERE tenant = %s AND exact_key = %s FOR UPDATE",
+                            (tenant, exact_key)).fetchone()
+            now = time.time()
+            if row is not None:
+                cur = Lease(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
+                if cur.expires > now and not (cur.host == _HOST and not _pid_alive(cur.pid)):
+                    return False
+            # ON CONFLICT: another replica inserted the first lease at the same moment; the row lock decides
+            got = c.execute(
+                "INSERT INTO leases VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (tenant, exact_key) DO UPDATE SET "
+                "holder = EXCLUDED.holder, host = EXCLUDED.host, pid = EXCLUDED.pid, expires = EXCLUDED.expires "
+                "WHERE leases.holder = %s OR leases.expires <= %s OR %s RETURNING holder",
+                (tenant, exact_key, me.holder, me.host, me.pid, now + ttl_s, row[0] if row else "", now, row is not None),
+            ).fetchone()
+            return got is not None
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    @_available(None)
+    def load(self, entry_id: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """The entry's tensors (all, or ``names``; :data:`VIDEO` for its video), each checked against its sha256;
+        None when gone or bad (a bad entry is quarantined, a vanished blob drops its row). ``KeyError`` for names the
+        entry never had."""
+        if isinstance(names, str):
+            raise TypeError("names must be a collection of tensor names, not one string")
+        with self._tx() as c:
+            row = c.execute("SELECT layout FROM entries WHERE id = %s", (entry_id,)).fetchone()
+        if row is None:
+            return None
+        layout = json.loads(row[0])
+        available = layout["tensors"]
+        wanted = list(available) if names is None else list(names)
+        missing = [n for n in wanted if n not in available]
+        if missing:
+            raise KeyError(f"cache entry {entry_id} has no tensors named {missing}; it has {sorted(available)}")
+        try:
+            return read_tensors(self._blobs, layout, wanted)
+        except FileNotFoundError:
+            self._drop_missing(entry_id, layout)
+        except CorruptEntryError as exc:
+            self._quarantine(entry_id, layout, str(exc))
+        return None
+
+    def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
+        if self.read_only:
+            log.warning("cache entry %s is corrupt (%s); the store is read-only, so it stays (a miss)", entry_id, reason)
+            return True
+        dests = [d for d in (self._safe(self._blobs.quarantine, k) for k in layout["blobs"]) if d]
+        with self._tx(write=True) as c:
+            existed = bool(self._delete(c, [entry_id]))
+        log.warning("cache entry %s is corrupt (%s); %s and dropped it from the cache", entry_id, reason,
+                    f"moved its blobs to {', '.join(dests)}" if dests else "its blobs were already gone")
+        return existed
+
+    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
+        if self.read_only:
+            log.warning("cache entry %s lost a blob; the store is read-only, so its row stays (a miss)", entry_id)
+            return True
+        with self._tx(write=True) as c:
+            removed = self._delete(c, [entry_id])
+        self._delete_blobs(removed)
+        if removed:
+            log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
+        return bool(removed)
+
+    @staticmethod
+    def _safe(fn: Callable[[str], str | None], key: str) -> str | None:
+        try:
+            return fn(key)
+        except OSError as exc:
+            log.warning("could not move cache blob %s aside: %s", key, exc)
+            return None
+
+    @_available(list)
+    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10) -> list[tuple[EntryMeta, float]]:
+        """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, best first (ties: older
+        first). This replica's index is first brought up to date with PostgreSQL."""
+        _check_scope(tenant, compat_key)
+        if k <= 0:
+            return []
+        query = _as_vector(embedding)
+        with self._tx(snapshot=True) as c:
+            dim = self._scope_dim(c, tenant, compat_key)
+            if dim is None:
+                return []
+            if dim != query.size:
+                raise CacheError(_dim_message(tenant, compat_key, dim, query.size))
+            index = self._scope_index(c, tenant, compat_key, dim)
+            hits = index.search(query, k)
+            metas = self._get_many(c, [h[0] for h in hits])
+        return [(metas[i], score) for i, score in hits if i in metas]
+
+    def sync(self, tenant: str, compat_key: str) -> int:
+        """Bring this replica's index of one scope up to date now; how many entries it holds (for benchmarks)."""
+        with self._tx(snapshot=True) as c:
+            dim = self._scope_dim(c, tenant, compat_key)
+            return 0 if dim is None else len(self._scope_index(c, tenant, compat_key, dim))
+
+    def _sync_state(self, c: Any) -> SyncState:
+        epoch = c.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
+        eseq = c.execute("SELECT coalesce(max(seq), 0) FROM entries").fetchone()[0]
+        rmin, rmax = c.execute("SELECT min(seq), coalesce(max(seq), 0) FROM removals").fetchone()
+        return SyncState(epoch=epoch[0] if epoch else "", entry_seq=int(eseq), removal_seq=int(rmax),
+                         oldest_logged_removal=None if rmin is None else int(rmin))
+
+    def _scope_index(self, c: Any, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
+        """This replica's index of one scope, brought up to date with the snapshot ``c`` sees (the bank's design: the
+        entry sequence gives what was added since, the removal log what was removed; a new epoch, a changed size or
+        a log that no longer reaches back far enough rebuilds it)."""
+        state = self._sync_state(c)
+        key = (tenant, compat_key)
+        scope = self._scopes.get(key)
+        covers = state.oldest_logged_removal is not None and scope is not None and \
+            state.oldest_logged_removal <= scope.removal_seq + 1
+        if (scope is None or scope.epoch != state.epoch or scope.index.dim != dim
+                or (state.removal_seq > scope.removal_seq and not covers)):
+            index = ScopeIndex(dim, self._backend)
+            self._add_rows(c, index, tenant, compat_key, 0)
+            self._scopes[key] = _Scope(index, state.epoch, state.entry_seq, state.removal_seq)
+            return index
+        if state.removal_seq > scope.removal_seq:
+            gone = [r[0] for r in c.execute("SELECT id FROM removals WHERE tenant = %s AND compat_key = %s AND seq > %s",
+                                            (tenant, compat_key, scope.removal_seq))]
+            scope.index.remove(gone)
+            scope.removal_seq = state.removal_seq
+        if state.entry_seq > scope.entry_seq:
+            self._add_rows(c, scope.index, tenant, compat_key, scope.entry_seq)
+            scope.entry_seq = state.entry_seq
+        return scope.index
+
+    @staticmethod
+    def _add_rows(c: Any, index: ScopeIndex, tenant: str, compat_key: str, after: int, chunk: int = 20000) -> None:
+        """Add the scope's rows after sequence ``after`` to ``index``, ``chunk`` rows at a time (a cold start of 10^6
+        entries never holds them all as Python objects at once)."""
+        cur = c.cursor(name=f"scope_{uuid.uuid4().hex[:8]}")  # server-side: rows arrive in batches
+        cur.execute("SELECT id, embedding FROM entries WHERE tenant = %s AND compat_key = %s AND seq > %s ORDER BY seq",
+                    (tenant, compat_key, after))
+        while True:
+            rows = cur.fetchmany(chunk)
+            if not rows:
+                break
+            vecs = np.frombuffer(b"".join(bytes(e) for _, e in rows), dtype="<f4").reshape(len(rows), -1)
+            index.add([str(i) for i, _ in rows], vecs.astype(np.float32))
+        cur.close()
+
+    @staticmethod
+    def _scope_dim(c: Any, tenant: str, compat_key: str) -> int | None:
+        row = c.execute("SELECT dim FROM scopes WHERE tenant = %s AND compat_key = %s", (tenant, compat_key)).fetchone()
+        if row is None:
+            return None
+        if c.execute("SELECT 1 FROM entries WHERE tenant = %s AND compat_key = %s LIMIT 1", (tenant, compat_key)).fetchone() is None:
+            return None
+        return int(row[0])
+
+    @_available(None)
+    def lookup_exact(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
+        """The entry admitted with ``exact_key`` for ``tenant`` (and ``compat_key``, if given), or None."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError("tenant must be a non-empty string")
+        sql = f"SELECT {_COLUMNS} FROM entries WHERE tenant = %s AND exact_key = %s"
+        args: list[Any] = [tenant, exact_key]
+        if compat_key is not None:
+            sql += " AND compat_key = %s"
+            args.append(compat_key)
+        with self._tx() as c:
+            row = c.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
+        return None if row is None else _to_meta(row)
+
+    @_available(None)
+    def get(self, entry_id: str) -> EntryMeta | None:
+        with self._tx() as c:
+            row = c.execute(f"SELECT {_COLUMNS} FROM entries WHERE id = %s", (entry_id,)).fetchone()
+        return None if row is None else _to_meta(row)
+
+    def _get_many(self, c: Any, ids: list[str]) -> dict[str, EntryMeta]:
+        if not ids:
+            return {}
+        return {m.id: m for m in (_to_meta(r) for r in c.execute(f"SELECT {_COLUMNS} FROM entries WHERE id = ANY(%s)", (ids,)))}
+
+    def _all(self, c: Any, tenant: str | None = None) -> list[EntryMeta]:
+        where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
+        return [_to_meta(r) for r in c.execute(f"SELECT {_COLUMNS} FROM entries{where} ORDER BY seq", args)]
+
+    @staticmethod
+    def _total_bytes(c: Any) -> int:
+        return int(c.execute("SELECT value FROM meta WHERE key = 'total_bytes'").fetchone()[0])
+
+    @staticmethod
+    def _add_bytes(c: Any, n: int) -> None:
+        if n:
+            c.execute("UPDATE meta SET value = (value::bigint + %s)::text WHERE key = 'total_bytes'", (int(n),))
+
+    def entries(self, tenant: str | None = None) -> list[EntryMeta]:
+        """All entries (of ``tenant``), oldest admission first."""
+        with self._tx() as c:
+            return self._all(c, tenant)
+
+    def stats(self, tenant: str | None = None) -> BankStats:
+        where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
+        with self._tx() as c:
+            per = {str(t): TenantStats(count=int(n), bytes=int(b)) for t, n, b in c.execute(
+                f"SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM entries{where} GROUP BY tenant ORDER BY tenant", args)}
+            settings = self._settings(c)
+        return BankStats(count=sum(s.count for s in per.values()), bytes=sum(s.bytes for s in per.values()),
+                         capacity_bytes=settings.capacity_bytes, tenants=per, eviction=settings.eviction)
+
+    def __len__(self) -> int:
+        return self.stats().count
+
+    def __contains__(self, entry_id: object) -> bool:
+        return isinstance(entry_id, str) and self.get(entry_id) is not None
+
+    # -- maintenance ------------------------------------------------------------------------------------
+
+    def verify(self, *, tenant: str | None = None, orphan_grace_s: float | None = None) -> VerifyReport:
+        """Read every blob of every entry (of ``tenant``) whole and check it; quarantine bad ones, drop entries whose
+        blob is gone. For the whole store also sweep orphan blobs (no row, older than the grace period)."""
+        report = VerifyReport(read_only=self.read_only, tenant=tenant)
+        with self._tx() as c:
+            where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
+            layouts = [(str(i), json.loads(lay)) for i, lay in c.execute(f"SELECT id, layout FROM entries{where} ORDER BY seq", args)]
+        for entry_id, layout in layouts:
+            try:
+                check_blobs(self.remote, layout)  # the shared copy itself, not this replica's cached ranges
+            except FileNotFoundError:
+                if self._drop_missing(entry_id, layout):
+                    report.missing.append(entry_id)
+                continue
+            except CorruptEntryError as exc:
+                if self._quarantine(entry_id, layout, str(exc)):
+                    report.quarantined.append(entry_id)
+                continue
+            report.checked += 1
+        if tenant is None:
+            report.orphans_removed = self.sweep(self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s))
+        return report
+
+    def sweep(self, grace_s: float | None = None) -> list[str]:
+        """Remove blobs without a row older than ``grace_s`` (default: the store's grace period): admissions that
+        never committed, and blobs of removed entries whose deletion failed. Publishes staged blobs of committed
+        rows. Returns the names removed. Runs under the writers' lock, so no admission commits a row for a blob being
+        removed (an admission re-checks its staged blobs inside its own write transaction)."""
+        if self.read_only:
+            return []
+        grace = self.orphan_grace_s if grace_s is None else float(grace_s)
+        files = self._blobs.scan()
+        if not files:
+            return []
+        cutoff = time.time() - grace
+        removed: list[str] = []
+        with self._tx(write=True) as c:
+            known = {r[0] for r in c.execute("SELECT id FROM entries")}
+            for f in files:
+                if f.entry_id in known:
+                    if f.staged:
+                        self._safe(lambda k: str(self._blobs.publish(k)), f.key)
+                    continue
+                if f.mtime > cutoff:
+                    continue
+                try:
+                    if self._blobs.remove(f):
+                        removed.append(f.name)
+                except OSError as exc:
+                    log.warning("could not delete orphan cache blob %s: %s", f.name, exc)
+        if removed:
+            log.info("removed %d orphan blob(s) from %s", len(removed), self.blobs_url)
+        return sorted(removed)
+
+
+def _to_meta(row: Any) -> EntryMeta:
+    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, lay) = row
+    return EntryMeta(
+        id=str(id_), tenant=str(tenant), compat_key=str(ck), exact_key=ek, prompt=str(prompt), negative_prompt=neg,
+        seed=None if seed is None else int(seed), created=float(created), last_used=float(last_used),
+        use_count=int(use_count), steps_saved=float(steps_saved), nbytes=int(nbytes),
+        embedding=np.frombuffer(bytes(emb), dtype="<f4").astype(np.float32),
+        extra=json.loads(extra) if extra else {}, tensor_names=tuple(sorted(json.loads(lay)["tensors"])),
+    )
+
+
+def _redact(url: str) -> str:
+    """The URL without its password (for messages)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<store URL>"
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,45 @@
+"""Shared fixtures: a real PostgreSQL for the shared cache store's tests.
+
+``$CARNATOR_TEST_POSTGRES_URL`` (``.ci/run`` starts a cluster and sets it) or, when unset, a throwaway cluster this
+session starts itself (initdb in a temp dir, 127.0.0.1, a free port). Under ``CI=true`` a missing PostgreSQL fails the
+tests that need it; elsewhere they are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+POSTGRES_ENV = "CARNATOR_TEST_POSTGRES_URL"
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    url = os.environ.get(POSTGRES_ENV)
+    if url:
+        yield url
+        return
+    from carnator.cache.pglocal import LocalPostgres
+    from carnator.errors import CacheError
+
+    try:
+        import psycopg  # noqa: F401
+
+        pg = LocalPostgres().start()
+    except (ImportError, CacheError) as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"PostgreSQL is required in CI: {exc}")
+        pytest.skip(f"no PostgreSQL here ({exc}); set {POSTGRES_ENV} or install postgresql")
+    try:
+        yield pg.url
+    finally:
+        pg.stop()
+
+
+@pytest.fixture
+def pg_schema_url(postgres_url):
+    """A store URL of a fresh schema (each test its own tables)."""
+    sep = "&" if "?" in postgres_url else "?"
+    return f"{postgres_url}{sep}schema=t_{uuid.uuid4().hex[:12]}"
