@@ -1,6 +1,8 @@
-"""The service's job store (real SQLite in a temp directory, no model): submission limits and idempotency, tenant
-scoping, atomic claims and attempts (a job completes at most once), recovery after a kill, fair claiming across
-tenants, cancellation, pagination, and the reserve that lets accepted jobs finish on a full disk (a real tmpfs)."""
+"""The service's job stores (real SQLite in a temp directory and a real PostgreSQL, no model): submission limits and
+idempotency, tenant scoping, atomic claims and attempts (a job completes at most once), recovery after a kill, fair
+claiming across tenants, cancellation, pagination, and the reserve that lets accepted jobs finish on a full disk (a
+real tmpfs). The protocol-level tests run against both stores; PostgreSQL adds claims raced by two processes' stores
+and the one-server-per-database lock."""
 
 from __future__ import annotations
 
@@ -29,15 +31,36 @@ from carnator.service.worker import FairQueue
 P = {"prompt": "a red ball", "seed": 1, "policy": "carnator", "cache": "reuse"}
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_store(request, tmp_path):
+    """A function opening the job store (again: a restarted server) on one location: a directory or a fresh schema."""
+    opened = []
+    if request.param == "sqlite":
+        def make():
+            opened.append(SqliteJobStore(tmp_path))
+            return opened[-1]
+    else:
+        from carnator.service.pgjobs import PostgresJobStore
+
+        url = request.getfixturevalue("pg_schema_url")
+
+        def make():
+            opened.append(PostgresJobStore(url, tmp_path / "videos"))
+            return opened[-1]
+    yield make
+    for s in opened:
+        s.close()
+
+
 @pytest.fixture
-def store(tmp_path):
-    s = SqliteJobStore(tmp_path)
-    yield s
-    s.close()
+def store(open_store):
+    return open_store()
 
 
-def test_store_implements_the_protocol_and_uses_wal(store, tmp_path):
+def test_store_implements_the_protocol_and_uses_wal(tmp_path):
+    store = SqliteJobStore(tmp_path)
     assert isinstance(store, JobStore)
+    store.close()
     import sqlite3
 
     with sqlite3.connect(tmp_path / "jobs.sqlite") as c:
@@ -106,13 +129,13 @@ def test_fair_queue_round_robins_over_tenants(store):
     assert order == ["big", "other", "small", "big", "big"]
 
 
-def test_recover_requeues_once_then_fails_and_stale_attempts_change_nothing(tmp_path):
-    s = SqliteJobStore(tmp_path)
+def test_recover_requeues_once_then_fails_and_stale_attempts_change_nothing(open_store):
+    s = open_store()
     job, _ = s.submit("a", P)
     queued, _ = s.submit("a", P)
     s.claim("a", "w1")
     s.close()  # "killed" mid-job
-    s = SqliteJobStore(tmp_path)
+    s = open_store()
     assert s.recover(max_attempts=2) == {"requeued": [job.id], "failed": [], "cancelled": []}
     assert s.get("a", queued.id).status == QUEUED  # queued jobs stay queued
     again = s.claim("a", "w2")
@@ -123,7 +146,6 @@ def test_recover_requeues_once_then_fails_and_stale_attempts_change_nothing(tmp_
     failed = s.get("a", job.id)
     assert failed.status == FAILED and failed.error["type"] == "interrupted" and "2 time(s)" in failed.error["message"]
     assert [h["kind"] for h in s.history(job.id)] == ["submitted", "claimed", "requeued", "claimed", FAILED]
-    s.close()
 
 
 def test_drain_requeue_does_not_count_the_attempt(store):
@@ -160,6 +182,66 @@ def test_pagination_is_per_tenant_and_stable(store):
     asc, _ = store.list("a", limit=10, order="asc")
     assert [j.id for j in asc] == ids
     assert store.list("b", after=ids[0]) == ([], False)  # another tenant's cursor: nothing
+
+
+def test_postgres_claims_raced_by_two_servers_stores_take_each_job_once(pg_schema_url, tmp_path):
+    from carnator.service.pgjobs import PostgresJobStore
+
+    a, b = PostgresJobStore(pg_schema_url, tmp_path / "va"), PostgresJobStore(pg_schema_url, tmp_path / "vb")
+    try:
+        for _ in range(5):  # one job, two claimers released together: exactly one wins
+            job, _ = a.submit("t", P)
+            go = threading.Barrier(2)
+            got: list = [None, None]
+
+            def take(i: int, s: PostgresJobStore) -> None:
+                go.wait()
+                got[i] = s.claim("t", f"w{i}")
+
+            threads = [threading.Thread(target=take, args=(i, s)) for i, s in enumerate((a, b))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            winners = [g for g in got if g is not None]
+            assert len(winners) == 1 and winners[0].id == job.id and winners[0].attempts == 1
+            loser = b if got[0] is not None else a
+            assert not loser.finish(job.id, 0, COMPLETED)  # no attempt of its own: changes nothing
+            assert (a if loser is b else b).finish(job.id, 1, COMPLETED)
+        ids = {a.submit("t", P)[0].id for _ in range(12)}
+        taken: list[str] = []
+
+        def drain(s: PostgresJobStore) -> None:
+            while (j := s.claim("t", "w")) is not None:
+                taken.append(j.id)
+
+        threads = [threading.Thread(target=drain, args=(s,)) for s in (a, b, a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(taken) == sorted(ids)  # every job once, none twice
+        assert b.counts()[IN_PROGRESS] == 12 and a.get("other", taken[0]) is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_postgres_one_server_per_database_and_unreachable_database(pg_schema_url, tmp_path):
+    from carnator.errors import CarnatorError
+    from carnator.service.jobs import JobStoreUnavailable
+    from carnator.service.pgjobs import PostgresJobStore, hold_jobs
+
+    with hold_jobs(pg_schema_url):
+        with pytest.raises(CarnatorError, match=r"another carnator serve \(pid \d+\) uses the job table"):
+            with hold_jobs(pg_schema_url):
+                pass
+        with hold_jobs(pg_schema_url.replace("schema=", "schema=x")):  # another schema: its own job table
+            pass
+    with hold_jobs(pg_schema_url):  # released with the first server
+        pass
+    with pytest.raises(JobStoreUnavailable, match="cannot connect"):
+        PostgresJobStore("postgresql://nobody@127.0.0.1:1/none", tmp_path / "v")
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:

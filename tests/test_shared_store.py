@@ -241,9 +241,13 @@ def test_cli_takes_a_store_url_and_says_what_is_wrong_in_one_line(pg_schema_url,
 
 
 def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_path):
-    """PostgreSQL stops under a running server: jobs still complete (misses, nothing stored), /metrics counts the
-    calls served without the store, and once it is back the cache works again."""
+    """PostgreSQL stops under a running server whose job table is local: jobs still complete (misses, nothing stored),
+    /metrics counts the calls served without the store, and once it is back the cache works again. A job table in that
+    PostgreSQL (what ``carnator serve --store postgresql://`` uses) refuses new jobs meanwhile, says why in
+    ``healthy``, and reconnects when it is back."""
     from carnator.cache.pglocal import LocalPostgres
+    from carnator.service.jobs import JobStoreUnavailable, SqliteJobStore
+    from carnator.service.pgjobs import PostgresJobStore
     from carnator.service.server import ServeConfig, Service
 
     try:
@@ -255,7 +259,8 @@ def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_pa
     svc = None
     try:
         svc = Service(ServeConfig(cache_dir=str(tmp_path / "ingress"), store=pg.url, blobs=str(tmp_path / "blobs"),
-                                  allow_uncertified=True))
+                                  allow_uncertified=True), store=SqliteJobStore(tmp_path / "ingress"))
+        jobs = PostgresJobStore(pg.url, tmp_path / "videos")
         svc.engine.store._inner.retry_s = 0.2
         svc.start()
 
@@ -277,8 +282,14 @@ def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_pa
         assert down.status == "completed" and down.stats["tier"] == "miss" and not down.stats["stored"], down.stats
         m = re.search(rb"^carnator_cache_store_unavailable_total (\S+)$", svc.metrics.render(), re.MULTILINE)
         assert m and float(m.group(1)) >= 2
+        assert "PostgreSQL" in (jobs.healthy() or "")
+        with pytest.raises(JobStoreUnavailable):
+            jobs.submit("default", {"prompt": "x"})
+        assert not jobs.update_progress("video_x", 1, 5)  # bookkeeping: never raises
         pg.resume()
         time.sleep(0.3)
+        assert jobs.healthy() is None and jobs.submit("default", {"prompt": "x"})[1]
+        jobs.close()
         again = run("a red ball moving left on grass")
         assert again.status == "completed" and again.stats["tier"] == "exact"
     finally:

@@ -87,7 +87,8 @@ def _add_store_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     where = "the --cache-dir directory" if serve else "--cache-dir"
     p.add_argument("--store", default=None, metavar="URL",
                    help=f"the cache store: sqlite:///PATH (a local directory; default: {where}) or postgresql://USER@HOST/DB"
-                        "[?schema=NAME] (a store shared by many processes and hosts; needs --blobs)")
+                        "[?schema=NAME] (a store shared by many processes and hosts; needs --blobs"
+                        f"{'; the job table goes there too, one server per schema' if serve else ''})")
     p.add_argument("--blobs", default=None, metavar="PATH_OR_URL",
                    help="where a postgresql:// store keeps its tensors and videos: a shared directory (NFS) or an fsspec URL "
                         "(s3://bucket/prefix with s3fs installed)")
@@ -814,8 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; without --keys: loopback only)")
     s.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: %(default)s; 0: any free port, printed)")
     s.add_argument("--model", default="embedded", help='"embedded" (default) or a local diffusers pipeline directory')
-    s.add_argument("--cache-dir", default=None, help="cache directory, also holding the job table (jobs.sqlite) and the "
-                                                     "finished videos (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
+    s.add_argument("--cache-dir", default=None, help="cache directory, also holding the job table (jobs.sqlite; with a "
+                                                     "postgresql:// --store, in that database) and the finished videos (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
     s.add_argument("--keys", default=None, metavar="keys.json", help='API keys: {"key": "tenant", ...}; each tenant has its '
                                                                     "own cache and jobs (default: no auth, one tenant 'default')")
     s.add_argument("--max-queue", type=_int_in(1, 1_000_000), default=64, help="jobs waiting at most; past it 429 (default: %(default)s)")

@@ -43,6 +43,7 @@ from .jobs import (
     VARIANTS,
     IdempotencyConflict,
     Job,
+    JobStoreUnavailable,
     QueueFull,
     StorageFull,
     request_hash,
@@ -281,6 +282,9 @@ def create_app(service: "Service") -> FastAPI:
         except StorageFull as e:
             service.metrics.rejections.labels(reason="storage_full").inc()
             raise ApiError(503, "unavailable", f"{e}: no new jobs until there is room", {"Retry-After": "30"}) from None
+        except JobStoreUnavailable as e:
+            service.metrics.rejections.labels(reason="store_unavailable").inc()
+            raise ApiError(503, "unavailable", f"{e}: no new jobs until it is back", {"Retry-After": "5"}) from None
         if not created:
             return JSONResponse(job_view(job), status_code=200, headers={"Idempotent-Replayed": "true"})
         service.metrics.requests.labels(status=QUEUED, policy=job.policy).inc()

@@ -1,5 +1,6 @@
 """The job table of ``carnator serve``: the :class:`JobStore` protocol and :class:`SqliteJobStore`, its local
-implementation (SQLite in WAL mode beside the cache, videos of finished jobs in ``videos/``).
+implementation (SQLite in WAL mode beside the cache, videos of finished jobs in ``videos/``); the PostgreSQL one,
+used with ``--store postgresql://...``, is :class:`carnator.service.pgjobs.PostgresJobStore`.
 
 Nothing else in the service touches the database or the video files: the worker and the HTTP layer call these
 methods only, so a shared implementation (PostgreSQL + object storage, for several replicas) can take its place.
@@ -67,6 +68,10 @@ class IdempotencyConflict(JobStoreError):
 
 class StorageFull(JobStoreError):
     """The job table's disk is full: nothing new is accepted until room is made."""
+
+
+class JobStoreUnavailable(JobStoreError):
+    """The job table's database cannot be reached (PostgreSQL down): nothing is accepted until it is back."""
 
 
 @dataclass
@@ -214,7 +219,47 @@ def _is_full(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and ("full" in str(exc).lower())
 
 
-class SqliteJobStore:
+class VideoFiles:
+    """Finished videos as files in ``video_dir``: ``<job>.<variant>``, staged as ``.<job>.<rand>.part.<variant>`` and
+    published by an fsynced rename before the row saying the job completed commits (both job stores)."""
+
+    video_dir: Path
+
+    def staging_path(self, job_id: str, variant: str) -> Path:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown video variant {variant!r}")
+        return self.video_dir / f".{job_id}.{uuid.uuid4().hex[:8]}.part.{variant}"
+
+    def video_path(self, tenant: str, job_id: str, variant: str) -> Path | None:
+        job = self.get(tenant, job_id)  # type: ignore[attr-defined]
+        if job is None or job.status != COMPLETED or variant not in job.videos:
+            return None
+        path = self.video_dir / f"{job_id}.{variant}"
+        return path if path.is_file() else None
+
+    @staticmethod
+    def _publish(staged: Path, final: Path) -> None:
+        with open(staged, "rb") as f:
+            os.fsync(f.fileno())
+        staged.replace(final)
+
+    def _discard(self, videos: Mapping[str, Path] | None, job_id: str | None = None) -> None:
+        """Remove staged videos (and, for ``job_id``, whatever its encoders left half-written)."""
+        paths = [Path(p) for p in (videos or {}).values()]
+        if job_id is not None:
+            paths += list(self.video_dir.glob(f".{job_id}.*")) + list(self.video_dir.glob(f"..{job_id}.*"))
+        for p in paths:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+    def _sweep_staging(self) -> None:
+        """Staged videos of attempts that never finished (a killed server)."""
+        for p in self.video_dir.glob(".*.part.*"):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+class SqliteJobStore(VideoFiles):
     """Jobs in ``<root>/jobs.sqlite`` (WAL), finished videos in ``<root>/videos/<job>.<variant>``.
 
     ``root`` is the cache directory. One process serves a root at a time (``carnator serve`` holds a lock); within it
@@ -500,18 +545,6 @@ class SqliteJobStore:
         with self._lock:
             return int(self._conn.execute("SELECT count(*) FROM jobs WHERE status = ? AND tenant = ?", (QUEUED, tenant)).fetchone()[0])
 
-    def staging_path(self, job_id: str, variant: str) -> Path:
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown video variant {variant!r}")
-        return self.video_dir / f".{job_id}.{uuid.uuid4().hex[:8]}.part.{variant}"
-
-    def video_path(self, tenant: str, job_id: str, variant: str) -> Path | None:
-        job = self.get(tenant, job_id)
-        if job is None or job.status != COMPLETED or variant not in job.videos:
-            return None
-        path = self.video_dir / f"{job_id}.{variant}"
-        return path if path.is_file() else None
-
     def history(self, job_id: str) -> list[dict[str, Any]]:
         with self._lock:
             rows = self._conn.execute("SELECT kind, attempt, at, detail FROM job_log WHERE job_id = ? ORDER BY seq", (job_id,)).fetchall()
@@ -525,29 +558,6 @@ class SqliteJobStore:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-
-    # ---- files -------------------------------------------------------------------------------
-    @staticmethod
-    def _publish(staged: Path, final: Path) -> None:
-        with open(staged, "rb") as f:
-            os.fsync(f.fileno())
-        staged.replace(final)
-
-    def _discard(self, videos: Mapping[str, Path] | None, job_id: str | None = None) -> None:
-        """Remove staged videos (and, for ``job_id``, whatever its encoders left half-written)."""
-        paths = [Path(p) for p in (videos or {}).values()]
-        if job_id is not None:
-            paths += list(self.video_dir.glob(f".{job_id}.*")) + list(self.video_dir.glob(f"..{job_id}.*"))
-        for p in paths:
-            with contextlib.suppress(OSError):
-                p.unlink()
-
-    def _sweep_staging(self) -> None:
-        """Staged videos of attempts that never finished (a killed server)."""
-        for p in self.video_dir.glob(".*.part.*"):
-            with contextlib.suppress(OSError):
-                p.unlink()
-
 
 def _progress_of(c: sqlite3.Connection, job_id: str) -> int:
     row = c.execute("SELECT progress FROM jobs WHERE id = ?", (job_id,)).fetchone()

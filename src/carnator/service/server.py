@@ -1,7 +1,8 @@
 """``carnator serve``: builds the engines, job store, workers and HTTP app, and runs them under uvicorn.
 
-Start-up: take the cache directory's ``serve.lock`` (one server per cache directory: the job table is its own),
-load the model (one engine per device), recover the jobs a killed server left in progress, start the workers, then
+Start-up: take the cache directory's ``serve.lock`` (one server per cache directory: the job table is its own; with
+``--store postgresql://...`` the job table is in that database and the lock is a PostgreSQL advisory lock, one server
+per database schema), load the model (one engine per device), recover the jobs a killed server left in progress, start the workers, then
 listen and print the URL. Ctrl-C (or SIGTERM): the running jobs stop at their next step and go back to the queue
 (their attempt not counted), event streams end, the process exits with status 0.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..errors import CarnatorError
 from .events import EventHub
-from .jobs import JobStore, SqliteJobStore
+from .jobs import VIDEO_DIR, JobStore, SqliteJobStore
 from .metrics import ServiceMetrics
 from .worker import Device, MeteredStore, WorkerPool
 
@@ -147,7 +148,9 @@ class Service:
                 eng.store = MeteredStore(eng.store, self.metrics)
             unavailable = lambda: sum(int(getattr(e.store, "unavailable", 0)) for e in engines)  # noqa: E731
         self.engine = engines[0]
-        self.store: JobStore = store if store is not None else SqliteJobStore(self.cache_dir)
+        if store is None:
+            store = open_job_store(config.store, self.cache_dir)
+        self.store: JobStore = store
         self.pool = WorkerPool(self.store, [Device(n, e) for n, e in zip(names, engines)], self.hub, self.metrics,
                                fps=config.fps)
         self.policies = tuple(policy_names())
@@ -208,6 +211,30 @@ class Service:
         return self.store.healthy()
 
 
+def open_job_store(store_url: str | None, cache_dir: Path) -> JobStore:
+    """The job table: in the ``postgresql://`` store's database (videos in ``<cache_dir>/videos``), else SQLite in
+    the cache directory."""
+    from ..cache.urls import is_shared
+
+    if is_shared(store_url):
+        from .pgjobs import PostgresJobStore
+
+        return PostgresJobStore(str(store_url), cache_dir / VIDEO_DIR)
+    return SqliteJobStore(cache_dir)
+
+
+def job_table_lock(store_url: str | None, cache_dir: Path):
+    """One server per job table: the cache directory's lock file, or a PostgreSQL advisory lock for a
+    ``postgresql://`` store."""
+    from ..cache.urls import is_shared
+
+    if is_shared(store_url):
+        from .pgjobs import hold_jobs
+
+        return hold_jobs(str(store_url))
+    return serve_lock(cache_dir)
+
+
 @contextlib.contextmanager
 def serve_lock(cache_dir: Path):
     """One ``carnator serve`` per cache directory (its job table); released when the process ends, however."""
@@ -238,7 +265,7 @@ def run(config: ServeConfig, *, out: Callable[[str], None] | None = None) -> int
         raise CarnatorError(f"--host {config.host}: without --keys the server has no authentication and binds to "
                             "loopback only (127.0.0.1 or ::1); pass --keys keys.json to serve other hosts")
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-    with serve_lock(cache_dir):
+    with job_table_lock(config.store, cache_dir):
         service = Service(config)
         from .app import create_app
 

@@ -1,0 +1,63 @@
+"""``carnator serve --store postgresql://...`` (a real child process, the embedded model on CPU, a real PostgreSQL):
+the job table lives in PostgreSQL (no ``jobs.sqlite``), one server per database schema (a second is refused in one
+line), and a ``kill -9`` mid-job then a restart requeues the job from the database and completes it once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+
+from carnator.client import Client
+from carnator.service.pgjobs import PostgresJobStore
+from carnator.service.process import ServerProcess
+
+PROMPT = "a small red ball moving left on grass"
+
+
+def submit(url, **body):
+    r = httpx.post(f"{url}/v1/videos", json={"prompt": PROMPT, **body}, timeout=30)
+    assert r.status_code == 202, r.text
+    return r.json()["id"]
+
+
+def test_serve_keeps_its_jobs_in_postgresql_one_server_per_database_and_recovers_after_kill_9(pg_schema_url, tmp_path):
+    cache, blobs = tmp_path / "cache", tmp_path / "blobs"
+    args = ["--store", pg_schema_url, "--blobs", str(blobs)]
+    with ServerProcess(cache, args) as s1:
+        done = submit(s1.url, seed=1, num_inference_steps=6)
+        with Client(s1.url) as c:
+            assert c.wait(done, timeout=60)["status"] == "completed"
+            video = c.content(done)
+        # another server on the same database (another cache directory): refused in one line
+        second = subprocess.run([sys.executable, "-m", "carnator.cli", "serve", "--port", "0", "--cache-dir",
+                                 str(tmp_path / "other"), *args], capture_output=True, text=True, timeout=120)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert lines[0].startswith(f"carnator: error: another carnator serve (pid {s1.pid}) uses the job table"), lines
+        running = submit(s1.url, seed=2, num_inference_steps=100, cache="off")
+        with Client(s1.url) as c:
+            while c.get(running)["progress"] < 5:
+                time.sleep(0.1)
+        s1.kill()
+    assert not (cache / "jobs.sqlite").exists()
+    store = PostgresJobStore(pg_schema_url, cache / "videos")  # what the killed server left, in PostgreSQL
+    try:
+        assert store.get("default", running).status == "in_progress" and store.get("default", done).status == "completed"
+    finally:
+        store.close()
+
+    with ServerProcess(cache, args) as s2:  # the lock went with the killed server's connection
+        with Client(s2.url) as c:
+            assert c.content(done) == video
+            finished = c.wait(running, timeout=120)
+        assert s2.stop() == 0
+    assert finished["status"] == "completed" and finished["attempts"] == 2
+    store = PostgresJobStore(pg_schema_url, cache / "videos")
+    try:
+        assert [h["kind"] for h in store.history(running)] == ["submitted", "claimed", "requeued", "claimed", "completed"]
+        assert store.counts()["completed"] == 2 and sum(store.counts().values()) == 2
+    finally:
+        store.close()
