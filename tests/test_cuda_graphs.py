@@ -34,7 +34,7 @@ def test_a_step_is_idle_only_where_no_processor_would_act():
 
 
 def test_only_the_embedded_adapter_offers_graphs():
-    from carnator.backbones.base import adapter_for
+    from carnator.backbones import adapter_for
     from carnator.testing import tiny_wan
 
     ad = adapter_for(tiny_wan())

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from carnator.backbones.base import GenerationDefaults, adapter_for
+from carnator.backbones import GenerationDefaults, adapter_for
 from carnator.errors import InvalidRequestError
 from carnator.request import SEED_MAX, SEED_MIN, RequestLimits, resolve_request, truncate_to_tokens
 from carnator.signature.nouns import noun_phrase_spans

@@ -286,6 +286,18 @@ def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_pa
         with pytest.raises(JobStoreUnavailable):
             jobs.submit("default", {"prompt": "x"})
         assert not jobs.update_progress("video_x", 1, 5)  # bookkeeping: never raises
+        # reads through the HTTP API meanwhile: a JSON 503 with Retry-After, not a 500
+        from fastapi.testclient import TestClient
+
+        from carnator.service.app import create_app
+
+        local, svc.store = svc.store, jobs
+        try:
+            r = TestClient(create_app(svc)).get("/v1/videos/video_x")
+        finally:
+            svc.store = local
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+        assert r.json()["error"]["type"] == "unavailable" and "PostgreSQL" in r.json()["error"]["message"]
         pg.resume()
         time.sleep(0.3)
         assert jobs.healthy() is None and jobs.submit("default", {"prompt": "x"})[1]

@@ -240,6 +240,10 @@ def create_app(service: "Service") -> FastAPI:
             headers["Allow"] = ", ".join(sorted(allowed))
         return error_response(exc.status_code, kind, msg, headers)
 
+    @app.exception_handler(JobStoreUnavailable)
+    async def _store_down(request: Request, exc: JobStoreUnavailable):  # reads and cancels while the job table is down
+        return error_response(503, "unavailable", f"{exc}; try again shortly", {"Retry-After": "5"})
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.error("internal error on %s %s: %r", request.method, request.url.path, exc, exc_info=exc)
