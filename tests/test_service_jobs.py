@@ -112,8 +112,11 @@ def test_queue_limits_are_atomic_under_concurrent_submissions(store):
         t.start()
     for t in threads:
         t.join()
-    assert store.queued_count("a") == 7 and store.queued_count("b") == 5 and len(ok) == 12
-    assert {e.reason for e in errors} == {"tenant_limit", "queue_full"}
+    # which tenant fills the last places depends on the threads' interleaving; the limits never do
+    a, b = store.queued_count("a"), store.queued_count("b")
+    assert a + b == 12 == len(ok) == len(set(ok)) and a <= 7 and b <= 7, (a, b)
+    assert len(errors) == 30 - 12 and "queue_full" in {e.reason for e in errors}
+    assert {e.reason for e in errors} <= {"tenant_limit", "queue_full"}
 
 
 def test_fair_queue_round_robins_over_tenants(store):
