@@ -412,7 +412,7 @@ def _judge(args):
             raise CarnatorError("--judge is required for a model other than the embedded one, e.g. --judge clip=/path/to/clip")
         spec = "shapes"
     try:
-        return get_judge(spec)
+        return get_judge(spec, device=getattr(args, "device", None))
     except ValueError as e:
         raise CarnatorError(f"--judge {spec}: {e}") from None
 
@@ -603,32 +603,47 @@ def _confirm_clear(bank, args) -> bool:
 
 def _add_judge_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--judge", default=None, metavar="NAME[=ARG]",
-                   help="the quality judge: clip=DIR (CLIP-T from a local CLIP model directory), or a judge a package registers "
+                   help="the quality judge: clip=DIR (CLIP-T from a local CLIP model directory, with SSIM, PSNR against dense "
+                        "and flicker), reference (SSIM, PSNR, flicker only), or a judge a package registers "
                         "(the lab's shapes-world judge: shapes). Default: shapes for the embedded model, else required")
     p.add_argument("--quality", action="append", default=[], metavar="SCORE=DELTA",
                    help=f"{what}: a reuse is acceptable iff each named judge score loses at most DELTA against dense on the same "
-                        "request (repeatable; default: the judge's own rule, e.g. fidelity=0.1 and artifact=0.02 for shapes)")
+                        "request, and each SCORE>=FLOOR (SCORE<=CEILING) holds (repeatable; default: the judge's own rule: "
+                        "clip: clip_t=0.02 and ssim>=0.5; shapes: fidelity=0.1 and artifact=0.02)")
 
 
 def _quality_rule(args, judge):
     from .judges import QualityRule
 
     deltas = dict(getattr(judge, "default_deltas", {}) or {})
+    floors = dict(getattr(judge, "default_floors", {}) or {})
     if args.quality:
-        deltas = {}
+        deltas, floors = {}, {}
         for item in args.quality:
-            k, sep, v = item.partition("=")
+            for op in (">=", "<=", "="):
+                k, sep, v = item.partition(op)
+                if sep:
+                    break
             try:
-                deltas[k.strip()] = float(v)
+                value = float(v)
             except ValueError:
-                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA, e.g. clip_t=0.02") from None
-            if not sep:
-                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA, e.g. clip_t=0.02")
-    if not deltas:
+                sep = ""
+            if not sep or not k.strip():
+                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA or SCORE>=FLOOR (SCORE<=CEILING), e.g. clip_t=0.02")
+            k = k.strip()
+            if op == "=":
+                deltas[k] = value
+                continue
+            want = 1 if op == ">=" else -1
+            if k in judge.directions and judge.directions[k] != want:
+                better = "higher" if judge.directions[k] > 0 else "lower"
+                raise CarnatorError(f"--quality {item!r}: {k} is better {better}; write {k}{'>=' if better == 'higher' else '<='}{v}")
+            floors[k] = value
+    if not deltas and not floors:
         raise CarnatorError(f"--quality: the {judge.name} judge has no default rule; name its scores, e.g. "
                             + " ".join(f"--quality {k}=0.02" for k in judge.directions))
     try:
-        return QualityRule.for_judge(judge, **deltas)
+        return QualityRule.for_judge(judge, floors, **deltas)
     except ValueError as e:
         raise CarnatorError(f"--quality: {e}") from None
 
