@@ -53,8 +53,9 @@ class ClipJudge:
             raise CarnatorError(f"--judge clip={path}: not a CLIP model directory (no config.json)")
         self.path, self.frames, self.batch = p, int(frames), int(batch)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        verbosity = hf_logging.get_verbosity()
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()  # the "torchvision not installed, PIL backend" notice is not the user's concern
+        hf_logging.disable_progress_bar()  # nor a bar for loading a judge
         try:
             self.model = CLIPModel.from_pretrained(str(p), local_files_only=True).eval().to(self.device)
             self.processor = CLIPProcessor.from_pretrained(str(p), local_files_only=True)
@@ -62,6 +63,8 @@ class ClipJudge:
             raise CarnatorError(f"--judge clip={path}: cannot load CLIPModel/CLIPProcessor: {str(e).splitlines()[0]}") from None
         finally:
             hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
         self.identity = f"clip:{directory_hash(p)}"
         self.directions = {"clip_t": HIGHER, **REFERENCE_DIRECTIONS}
         self._text: dict[str, torch.Tensor] = {}
