@@ -94,7 +94,7 @@ def main() -> int:
     argv = ["calibrate", "--model", str(model), "--prompts", str(prompts), "--judge", f"clip={clip}", "--pairs", str(a.pairs),
             "--warm", str(len(WARM)), "--device", a.device, "--frames", str(a.frames), "--height", str(a.height),
             "--width", str(a.width), "--steps", str(a.steps), "--guidance", "5", "--out", str(out / "cal"),
-            "--cache-dir", str(work / "cache")] + (["--resume-step", str(a.resume_step)] if a.resume_step else [])
+            "--cache-dir", str(work / "cache")] + (["--dtype", "bfloat16"] if not a.tiny else []) + (["--resume-step", str(a.resume_step)] if a.resume_step else [])
     print("carnator " + " ".join(argv), flush=True)
     t1 = time.perf_counter()
     code = carnator_main(argv)

@@ -75,6 +75,9 @@ def _add_gen_args(p: argparse.ArgumentParser, cache_help: str | None = None) -> 
     p.add_argument("--model", default="embedded", help='"embedded" (default: the shapes-world model shipped inside carnator) or a local diffusers pipeline directory')
     p.add_argument("--cache-dir", default=None, help=cache_help or "cache directory (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="load a pipeline directory's weights in this dtype (modules the model keeps in float32 stay so; "
+                        "default: float32, as diffusers loads without one; bfloat16 is how Wan and LTX run on a GPU)")
     p.add_argument("--capacity", default=None, metavar="SIZE",
                    help="bound the cache to SIZE (e.g. 40MB, 2GiB, 500000 bytes) before generating: stored in the cache, "
                         "so later runs keep it (see `carnator cache config`)")
@@ -231,7 +234,13 @@ def _engine(args):
             raise CarnatorError("--capacity none: generating only sets a bound; lift it with `carnator cache config --capacity none`")
     config = EngineConfig(intra_cache=intra, capacity_bytes=capacity, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
                           cuda_graphs=getattr(args, "cuda_graphs", False), policy_options=_policy_options(getattr(args, "option", [])))
-    return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device, config=config)
+    dtype = getattr(args, "dtype", None)
+    torch_dtype = None
+    if dtype is not None and args.model != "embedded":
+        import torch
+
+        torch_dtype = getattr(torch, dtype)
+    return Carnator.from_pretrained(args.model, cache_dir=args.cache_dir, device=args.device, config=config, torch_dtype=torch_dtype)
 
 
 def cmd_generate(args) -> int:
