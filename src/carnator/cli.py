@@ -819,6 +819,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-per-tenant", type=_int_in(1, 1_000_000), default=None, metavar="N",
                    help="jobs one tenant may have waiting (default: --max-queue, or half of it with --keys)")
     s.add_argument("--device", default="cpu", help="cpu (default), cuda (one worker per visible GPU) or cuda:N")
+    s.add_argument("--option", action="append", default=[], metavar="POLICY.FIELD=VALUE",
+                   help="a policy config field, as for generate (repeatable), e.g. carnator.thresholds=PATH: thresholds "
+                        "certified by `carnator calibrate` for this model (docs/CALIBRATION.md)")
     s.add_argument("--allow-uncertified", action="store_true",
                    help="let approximate reuse rest on thresholds no certified file backs (default: such a reuse is a miss)")
     s.add_argument("--max-steps", type=_int_in(1, 1000), default=None, metavar="N",

@@ -272,6 +272,15 @@ class _Server:
         return Server()
 
 
+def _engine_options(items: list[str]) -> dict[str, Any]:
+    """``--option POLICY.FIELD=VALUE`` as :class:`~carnator.engine.EngineConfig` fields (checked before the server starts)."""
+    if not items:
+        return {}
+    from ..cli import _policy_options
+
+    return {"policy_options": _policy_options(items)}
+
+
 def main_args(args) -> int:
     """``carnator serve`` from parsed arguments (:mod:`carnator.cli`)."""
     keys = load_keys(args.keys) if args.keys else None
@@ -285,7 +294,8 @@ def main_args(args) -> int:
         transformers.utils.logging.disable_progress_bar()
     cfg = ServeConfig(host=args.host, port=args.port, model=args.model, cache_dir=args.cache_dir, keys=keys,
                       max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
-                      allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts)
+                      allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts,
+                      engine_config=_engine_options(getattr(args, "option", [])))
     logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     sys.stdout.flush()
     return run(cfg)
