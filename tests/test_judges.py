@@ -93,3 +93,30 @@ def test_quality_rule_deltas_and_floors():
     assert ClipJudge.default_deltas == {"clip_t": 0.02} and ClipJudge.default_floors == {"ssim": 0.5}
     with pytest.raises(CarnatorError, match="has no score"):
         QualityRule.for_judge(judge, {"clip_t": 0.3})
+
+
+@pytest.mark.parametrize("quality, words", [
+    (["flicker>=0.1"], "flicker is better lower; write flicker<=0.1"),
+    (["ssim>0.5"], "expected SCORE=DELTA or SCORE>=FLOOR"),
+    (["clip_t=0.02"], "judge reference has no score clip_t"),
+])
+def test_quality_flags_are_checked_in_one_line_before_any_model_loads(capsys, tmp_path, quality, words):
+    from carnator.cli import main
+
+    argv = ["calibrate", "--model", str(tmp_path / "no-model"), "--prompts", str(tmp_path / "p.txt"), "--judge", "reference"]
+    for q in quality:
+        argv += ["--quality", q]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("carnator: error: --quality") and words in lines[0], lines
+
+
+def test_quality_flags_make_floors_and_deltas():
+    import argparse
+
+    from carnator.cli import _quality_rule
+
+    rule = _quality_rule(argparse.Namespace(quality=["ssim>=0.6", "flicker<=0.2", "psnr=3"]), get_judge("reference"))
+    assert rule.floors == {"ssim": 0.6, "flicker": 0.2} and rule.deltas == {"psnr": 3.0}
+    assert _quality_rule(argparse.Namespace(quality=[]), get_judge("reference")).to_dict() == {
+        "deltas": {"flicker": 0.02}, "directions": {"flicker": -1, "ssim": 1}, "floors": {"ssim": 0.5}}

@@ -653,7 +653,7 @@ def _quality_rule(args, judge):
                             + " ".join(f"--quality {k}=0.02" for k in judge.directions))
     try:
         return QualityRule.for_judge(judge, floors, **deltas)
-    except ValueError as e:
+    except (ValueError, CarnatorError) as e:
         raise CarnatorError(f"--quality: {e}") from None
 
 
