@@ -19,10 +19,10 @@ import pytest
 from PIL import Image
 
 from carnator.bench.report import (
-    METRICS,
     PLOT_TITLES,
     clip_requests,
     fmt,
+    metrics,
     render_html,
     to_markdown,
     write_html,
@@ -136,7 +136,10 @@ def test_bench_writes_one_page_with_plots_numbers_and_clips(bench):
     for pol, m in rep["policies"].items():
         row = re.search(f"<tr><td class=l>{pol}</td>(.*?)</tr>", table).group(1)
         cells = re.findall(r"<td>(.*?)</td>", row)
-        assert cells[: len(METRICS)] == [html.escape(fmt(m[k])) for k, _ in METRICS]
+        cols = metrics(rep)  # the run's own columns, then the judge's scores the rule names, after the speedups
+        assert [k for k, _ in cols[5:11]] == ["fidelity_all", "fidelity_hits", "dense_fidelity_on_hits",
+                                               "artifact_all", "artifact_hits", "dense_artifact_on_hits"]
+        assert cells[: len(cols)] == [html.escape(fmt(m[k])) for k, _ in cols]
     assert "<td>0.6667</td>" in table and "<td>1.5e+06</td>" in table
 
     # the prompt with markup is escaped everywhere; the page runs no script at all
@@ -184,14 +187,36 @@ def test_policies_run_apart_then_reported_together_give_the_same_report(bench, t
 
 
 def test_no_clips_and_missing_values():
-    rep = {"requests": 2, "delta_fidelity": 0.1, "delta_artifact": 0.02, "policies": {
-        "dense": {k: None for k, _ in METRICS} | {"hit_rate": 0.0, "fidelity_all": 0.5, "artifact_all": 0.1},
-        "carnator": {k: None for k, _ in METRICS} | {"hit_rate": 0.0, "fidelity_all": 0.5, "artifact_all": 0.1},
-    }}
+    rep = {"requests": 2, "rule": RULE.to_dict(), "policies": {}}
+    rep["policies"] = {
+        "dense": {k: None for k, _ in metrics(rep)} | {"hit_rate": 0.0, "fidelity_all": 0.5, "artifact_all": 0.1},
+        "carnator": {k: None for k, _ in metrics(rep)} | {"hit_rate": 0.0, "fidelity_all": 0.5, "artifact_all": 0.1},
+    }
     page = render_html(rep, [], [], None)
     assert page.count("data:image/png;base64,") == len(PLOT_TITLES)
     assert "No clips were kept" in page and "data:image/gif" not in page
     assert "<td>-</td>" in _table(page, "numbers")
+
+
+def test_report_of_another_judge_names_its_scores():
+    """A clip judge's rule (the paper's Delta on CLIP-T, an SSIM floor): the table, markdown and captions carry those
+    scores, and PSNR's inf (dense against itself) is written, not drawn."""
+    from carnator.judges import QualityRule
+
+    rule = QualityRule({"clip_t": 0.02}, {"clip_t": 1, "ssim": 1, "psnr": 1}, {"ssim": 0.5, "psnr": 20.0})
+    rep = {"requests": 1, "rule": rule.to_dict(), "policies": {}}
+    base = {k: None for k, _ in metrics(rep)}
+    rep["policies"] = {"dense": base | {"hit_rate": 0.0, "clip_t_all": 0.31, "ssim_all": 1.0, "psnr_all": float("inf")},
+                       "carnator": base | {"hit_rate": 1.0, "clip_t_all": 0.3, "clip_t_hits": 0.3, "dense_clip_t_on_hits": 0.31,
+                                           "ssim_all": 0.8, "psnr_all": 25.0, "unsafe_hit_rate": 0.0}}
+    assert [k for k, _ in metrics(rep)][5:8] == ["clip_t_all", "clip_t_hits", "dense_clip_t_on_hits"]
+    md = to_markdown(rep)
+    assert "unless clip_t >= dense - 0.02 and ssim >= 0.5 and psnr >= 20" in md
+    assert "| carnator | 100% |" in md and "| 0.3 | 0.3 (0.31) |" in md
+    rows = [{"policy": "carnator", "i": 0, "kind": "noun", "hit": True, "e2e": 1.0, "clip_t": 0.3, "ssim": 0.8, "psnr": 25.0}]
+    page = render_html(rep, rows, ["a cat"], None)
+    assert page.count("data:image/png;base64,") == len(PLOT_TITLES) and "fidelity" not in page
+    assert "hit / 1.00 / 0.3 / 0.8 / 25" in page and "<td>inf</td>" in page
 
 
 def test_thumbnail_limits():

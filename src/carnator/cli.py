@@ -75,6 +75,9 @@ def _add_gen_args(p: argparse.ArgumentParser, cache_help: str | None = None) -> 
     p.add_argument("--model", default="embedded", help='"embedded" (default: the shapes-world model shipped inside carnator) or a local diffusers pipeline directory')
     p.add_argument("--cache-dir", default=None, help=cache_help or "cache directory (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="load a pipeline directory's weights in this dtype (modules the model keeps in float32 stay so; "
+                        "default: float32, as diffusers loads without one; bfloat16 is how Wan and LTX run on a GPU)")
     p.add_argument("--capacity", default=None, metavar="SIZE",
                    help="bound the cache to SIZE (e.g. 40MB, 2GiB, 500000 bytes) before generating: stored in the cache, "
                         "so later runs keep it (see `carnator cache config`)")
@@ -256,8 +259,14 @@ def _engine(args):
             raise CarnatorError("--capacity none: generating only sets a bound; lift it with `carnator cache config --capacity none`")
     config = EngineConfig(intra_cache=intra, capacity_bytes=capacity, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
                           cuda_graphs=getattr(args, "cuda_graphs", False), policy_options=_policy_options(getattr(args, "option", [])))
+    dtype = getattr(args, "dtype", None)
+    torch_dtype = None
+    if dtype is not None and args.model != "embedded":
+        import torch
+
+        torch_dtype = getattr(torch, dtype)
     return Carnator.from_pretrained(args.model, cache_dir=_store_url(args), device=args.device, config=config,
-                                    blobs=getattr(args, "blobs", None))
+                                    blobs=getattr(args, "blobs", None), torch_dtype=torch_dtype)
 
 
 def cmd_generate(args) -> int:
@@ -438,7 +447,7 @@ def _judge(args):
             raise CarnatorError("--judge is required for a model other than the embedded one, e.g. --judge clip=/path/to/clip")
         spec = "shapes"
     try:
-        return get_judge(spec)
+        return get_judge(spec, device=getattr(args, "device", None))
     except ValueError as e:
         raise CarnatorError(f"--judge {spec}: {e}") from None
 
@@ -629,33 +638,48 @@ def _confirm_clear(bank, args) -> bool:
 
 def _add_judge_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--judge", default=None, metavar="NAME[=ARG]",
-                   help="the quality judge: clip=DIR (CLIP-T from a local CLIP model directory), or a judge a package registers "
+                   help="the quality judge: clip=DIR (CLIP-T from a local CLIP model directory, with SSIM, PSNR against dense "
+                        "and flicker), reference (SSIM, PSNR, flicker only), or a judge a package registers "
                         "(the lab's shapes-world judge: shapes). Default: shapes for the embedded model, else required")
     p.add_argument("--quality", action="append", default=[], metavar="SCORE=DELTA",
                    help=f"{what}: a reuse is acceptable iff each named judge score loses at most DELTA against dense on the same "
-                        "request (repeatable; default: the judge's own rule, e.g. fidelity=0.1 and artifact=0.02 for shapes)")
+                        "request, and each SCORE>=FLOOR (SCORE<=CEILING) holds (repeatable; default: the judge's own rule: "
+                        "clip: clip_t=0.02 and ssim>=0.5; shapes: fidelity=0.1 and artifact=0.02)")
 
 
 def _quality_rule(args, judge):
     from .judges import QualityRule
 
     deltas = dict(getattr(judge, "default_deltas", {}) or {})
+    floors = dict(getattr(judge, "default_floors", {}) or {})
     if args.quality:
-        deltas = {}
+        deltas, floors = {}, {}
         for item in args.quality:
-            k, sep, v = item.partition("=")
+            for op in (">=", "<=", "="):
+                k, sep, v = item.partition(op)
+                if sep:
+                    break
             try:
-                deltas[k.strip()] = float(v)
+                value = float(v)
             except ValueError:
-                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA, e.g. clip_t=0.02") from None
-            if not sep:
-                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA, e.g. clip_t=0.02")
-    if not deltas:
+                sep = ""
+            if not sep or not k.strip():
+                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA or SCORE>=FLOOR (SCORE<=CEILING), e.g. clip_t=0.02")
+            k = k.strip()
+            if op == "=":
+                deltas[k] = value
+                continue
+            want = 1 if op == ">=" else -1
+            if k in judge.directions and judge.directions[k] != want:
+                better = "higher" if judge.directions[k] > 0 else "lower"
+                raise CarnatorError(f"--quality {item!r}: {k} is better {better}; write {k}{'>=' if better == 'higher' else '<='}{v}")
+            floors[k] = value
+    if not deltas and not floors:
         raise CarnatorError(f"--quality: the {judge.name} judge has no default rule; name its scores, e.g. "
                             + " ".join(f"--quality {k}=0.02" for k in judge.directions))
     try:
-        return QualityRule.for_judge(judge, **deltas)
-    except ValueError as e:
+        return QualityRule.for_judge(judge, floors, **deltas)
+    except (ValueError, CarnatorError) as e:
         raise CarnatorError(f"--quality: {e}") from None
 
 
@@ -823,6 +847,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-per-tenant", type=_int_in(1, 1_000_000), default=None, metavar="N",
                    help="jobs one tenant may have waiting (default: --max-queue, or half of it with --keys)")
     s.add_argument("--device", default="cpu", help="cpu (default), cuda (one worker per visible GPU) or cuda:N")
+    s.add_argument("--option", action="append", default=[], metavar="POLICY.FIELD=VALUE",
+                   help="a policy config field, as for generate (repeatable), e.g. carnator.thresholds=PATH: thresholds "
+                        "certified by `carnator calibrate` for this model (docs/CALIBRATION.md)")
     s.add_argument("--allow-uncertified", action="store_true",
                    help="let approximate reuse rest on thresholds no certified file backs (default: such a reuse is a miss)")
     s.add_argument("--max-steps", type=_int_in(1, 1000), default=None, metavar="N",
@@ -848,7 +875,8 @@ def cmd_serve(args) -> int:
         from .service.server import main_args
     except ImportError as e:  # fastapi, uvicorn, ... (the serve extra)
         raise CarnatorError(f"carnator serve needs the serve extra: pip install 'carnator[serve]' ({e.name} is missing)") from None
-    return main_args(args)
+    options = getattr(args, "option", None) or []
+    return main_args(args, engine_config={"policy_options": _policy_options(options)} if options else {})
 
 
 def main(argv: list[str] | None = None) -> int:

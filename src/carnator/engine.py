@@ -124,13 +124,20 @@ class Carnator:
     """
 
     def __init__(self, pipe, cache_dir: str | os.PathLike | CacheStore | None = None, *, config: EngineConfig | None = None,
-                 embedder=None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None):
+                 embedder=None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None,
+                 thresholds: str | os.PathLike | None = None):
         """``cache_dir``: the cache directory (default: ``$CARNATOR_CACHE_DIR`` or ``~/.cache/carnator``) or an open
         :class:`~carnator.cache.CacheStore`. ``embedder``: the recall embedder (default MiniLM). ``nouns``: the noun
-        extractor (default: the adapter's, :meth:`~carnator.backbones.base.BackboneAdapter.noun_extractor`)."""
+        extractor (default: the adapter's, :meth:`~carnator.backbones.base.BackboneAdapter.noun_extractor`).
+        ``thresholds``: a thresholds file from ``carnator calibrate`` for the carnator policy (the same as
+        ``policy_options={"carnator": {"thresholds": PATH}}``; refused, in one line, for another model or reading)."""
         self.pipe = pipe
         self.adapter = adapter if adapter is not None else adapter_for(pipe)
         self.config = config or EngineConfig()
+        if thresholds is not None:
+            opts = dict(self.config.policy_options)
+            opts["carnator"] = {**opts.get("carnator", {}), "thresholds": str(thresholds)}
+            self.config = dataclasses.replace(self.config, policy_options=opts)
         self.store: CacheStore = _open_store(cache_dir, self.config)
         self._embedder = embedder
         self.nouns = nouns or self.adapter.noun_extractor()
@@ -428,6 +435,11 @@ class Carnator:
         stats.resume_step = plan.resume_step if plan.hit else None
         stats.certified = dec.certified if plan.hit else None
         stats.notes.update(_notes(dec))
+        if plan.hit and dec.certified is not True and f"uncertified:{pol.name}" not in self._warned:
+            self._warned.add(f"uncertified:{pol.name}")  # said once per engine and policy; every such hit has certified False
+            log.warning("approximate reuse under policy %s rests on uncertified thresholds (%s); its hits are marked "
+                        "certified: false. Certify them for this model: carnator calibrate (docs/CALIBRATION.md)",
+                        pol.name, getattr(pol, "thresholds_source", "no thresholds file"))
 
         dit_before = state.dit_seconds
         denoise.run_steps(ad, state, cond, req, program=program, capture=capture, progress=steps_cb, cancel=cancel)

@@ -252,3 +252,38 @@ def hashed_embedder(dim: int = 32):
         return out
 
     return TextEmbedder(encode, dim, "hashed-bow")
+
+
+def tiny_clip(path, seed: int = 0, *, image_size: int = 32, text_config: dict | None = None, vision_config: dict | None = None,
+              projection_dim: int = 16):
+    """Save a tiny random CLIP (model, byte-level ``CLIPTokenizer``, ``CLIPImageProcessor`` at ``image_size`` px) to the
+    directory ``path`` and return it: what ``--judge clip=DIR`` loads through ``CLIPModel`` / ``CLIPProcessor``, with
+    no hub. The tokenizer's vocabulary is the 256 byte symbols, the same with ``</w>``, and the two specials; its
+    merges file holds only the version line. ``text_config`` / ``vision_config`` override the tiny sizes (e.g. ViT-B/32's
+    for a judge that costs what a real one does)."""
+    import json
+    from pathlib import Path
+
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    symbols = list(_bytes_to_unicode().values())
+    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"])}
+    (path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (path / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+    tokenizer = CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"), model_max_length=77)
+    size = {"shortest_edge": image_size}
+    image_processor = CLIPImageProcessor(size=size, crop_size={"height": image_size, "width": image_size})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(str(path))
+    _seed(seed)
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=77, bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+                         pad_token_id=vocab["<|endoftext|>"], **(text_config or {})),
+        vision_config=dict(dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=image_size,
+                                patch_size=8), **(vision_config or {})),
+        projection_dim=projection_dim,
+    )
+    CLIPModel(cfg).eval().save_pretrained(str(path))
+    return path

@@ -16,22 +16,47 @@ import io
 import json
 from pathlib import Path
 
-#: The per-policy numbers of report.json, in table order, with their column headings.
+#: The per-policy numbers of report.json that every run has, in table order, with their column headings; the judge's
+#: scores the rule names come after the speedups (:func:`metrics`).
 METRICS: tuple[tuple[str, str], ...] = (
     ("hit_rate", "hit rate"),
     ("workload_e2e_speedup", "workload E2E speedup"),
     ("workload_dit_speedup", "workload DiT speedup"),
     ("hit_e2e_speedup", "hit E2E speedup"),
     ("hit_dit_speedup", "hit DiT speedup"),
-    ("fidelity_all", "fidelity, all"),
-    ("fidelity_hits", "fidelity, hits"),
-    ("dense_fidelity_on_hits", "dense fidelity on the same hits"),
-    ("artifact_all", "artifact, all"),
-    ("artifact_hits", "artifact, hits"),
-    ("dense_artifact_on_hits", "dense artifact on the same hits"),
     ("unsafe_hit_rate", "unsafe-hit rate"),
     ("bytes_per_entry", "bytes per cache entry"),
 )
+
+
+def scores(rep: dict) -> dict[str, int]:
+    """The judge scores a report covers (those its quality rule names) and their better direction (+1 higher, -1 lower)."""
+    rule = rep.get("rule") or {}
+    dirs = dict(rule.get("directions") or {})
+    for k in [*rule.get("deltas", {}), *rule.get("floors", {})]:
+        dirs.setdefault(k, 1)
+    return dirs
+
+
+def metrics(rep: dict) -> tuple[tuple[str, str], ...]:
+    """The per-policy numbers of ``rep`` in table order: :data:`METRICS` with, after the speedups, for each judge score
+    its mean over all requests, over hits, and dense's over the same hits."""
+    per_score = tuple(x for k in scores(rep) for x in ((f"{k}_all", f"{k}, all"), (f"{k}_hits", f"{k}, hits"),
+                                                       (f"dense_{k}_on_hits", f"dense {k} on the same hits")))
+    return METRICS[:5] + per_score + METRICS[5:]
+
+
+def rule_text(rep: dict) -> str:
+    """The quality rule in words (what makes a hit unsafe is its failing)."""
+    from ..judges import QualityRule
+
+    rule = rep.get("rule")
+    return QualityRule.from_dict(rule).describe() if rule else "-"
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
 
 PLOT_TITLES = ("Hit rate per policy", "Speedup vs dense per policy", "Quality: all requests and hits vs dense", "Unsafe-hit rate per policy")
 
@@ -56,13 +81,16 @@ def to_markdown(rep: dict) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
 
-    lines = [f"{rep['requests']} test requests; unsafe = fidelity below dense by > {rep['delta_fidelity']} or artifact above by > {rep['delta_artifact']}", "",
-             "| policy | hit rate | workload E2E x | workload DiT x | hit E2E x | hit DiT x | fidelity all | fidelity hits (dense) | artifact all | unsafe hits | MB/entry |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    names = list(scores(rep))
+    lines = [f"{rep['requests']} test requests; a hit is unsafe unless {rule_text(rep)}", "",
+             "| policy | hit rate | workload E2E x | workload DiT x | hit E2E x | hit DiT x | "
+             + "".join(f"{k} all | {k} hits (dense) | " for k in names) + "unsafe hits | MB/entry |",
+             "|---|---|---|---|---|---|" + "---|---|" * len(names) + "---|---|"]
     for pol, m in rep["policies"].items():
         lines.append(f"| {pol} | {f(m['hit_rate'], '{:.0%}')} | {f(m['workload_e2e_speedup'])} | {f(m['workload_dit_speedup'])} | {f(m['hit_e2e_speedup'])} | "
-                     f"{f(m['hit_dit_speedup'])} | {f(m['fidelity_all'])} | {f(m['fidelity_hits'])} ({f(m['dense_fidelity_on_hits'])}) | {f(m['artifact_all'], '{:.3f}')} | "
-                     f"{f(m['unsafe_hit_rate'], '{:.0%}')} | {f(None if m['bytes_per_entry'] is None else m['bytes_per_entry'] / 1e6)} |")
+                     f"{f(m['hit_dit_speedup'])} | "
+                     + "".join(f"{_num(m.get(f'{k}_all'))} | {_num(m.get(f'{k}_hits'))} ({_num(m.get(f'dense_{k}_on_hits'))}) | " for k in names)
+                     + f"{f(m['unsafe_hit_rate'], '{:.0%}')} | {f(None if m['bytes_per_entry'] is None else m['bytes_per_entry'] / 1e6)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -131,13 +159,16 @@ def plots(rep: dict) -> list[tuple[str, str]]:
     ax.set_title(PLOT_TITLES[1])
     out.append((PLOT_TITLES[1], _png(fig)))
 
-    fig = Figure(figsize=(10, 3.6), layout="constrained")
-    a1, a2 = fig.subplots(1, 2)
-    _bars(a1, pols, [("all requests", col("fidelity_all")), ("hits", col("fidelity_hits")), ("dense, same hits", col("dense_fidelity_on_hits"))])
-    a1.set_title("judge fidelity (higher is better)")
-    _bars(a2, pols, [("all requests", col("artifact_all")), ("hits", col("artifact_hits")), ("dense, same hits", col("dense_artifact_on_hits"))],
-          digits=3)
-    a2.set_title("judge artifact (lower is better)")
+    def finite(v):  # inf (PSNR of identical clips) cannot be drawn: its bar is labelled n/a
+        return None if v is None or abs(v) == float("inf") else v
+
+    names = scores(rep)
+    fig = Figure(figsize=(max(5 * len(names), 5), 3.6), layout="constrained")
+    axes = fig.subplots(1, max(len(names), 1), squeeze=False)[0]
+    for ax, (k, d) in zip(axes, names.items()):
+        _bars(ax, pols, [("all requests", [finite(v) for v in col(f"{k}_all")]), ("hits", [finite(v) for v in col(f"{k}_hits")]),
+                         ("dense, same hits", [finite(v) for v in col(f"dense_{k}_on_hits")])], digits=3)
+        ax.set_title(f"judge {k} ({'higher' if d > 0 else 'lower'} is better)")
     fig.suptitle(PLOT_TITLES[2])
     out.append((PLOT_TITLES[2], _png(fig)))
 
@@ -184,9 +215,10 @@ def render_html(rep: dict, rows: list[dict], prompts: list[str], out: Path | Non
     pols = list(rep["policies"])
     parts = [f"<!doctype html><html><head><meta charset=utf-8><title>{e(title)}</title><style>{_CSS}</style></head><body>",
              f"<h1>{e(title)}</h1>",
-             (f"<p>{fmt(rep['requests'])} test requests, policies {e(', '.join(pols))}. A hit is <i>unsafe</i> when its judge fidelity "
-              f"is below dense's on the same request by more than {fmt(rep['delta_fidelity'])} or its artifact score is above dense's by more "
-              f"than {fmt(rep['delta_artifact'])}. Speedups are dense time / policy time, summed over the requests counted.</p>")]
+             (f"<p>{fmt(rep['requests'])} test requests, policies {e(', '.join(pols))}. A hit is <i>unsafe</i> unless "
+              f"{e(rule_text(rep))} (its judge's scores against dense on the same request). Speedups are dense time / policy time, "
+              "summed over the requests counted.</p>")]
+    cols, names = metrics(rep), list(scores(rep))
 
     parts.append("<h2>Plots</h2><div class=plots>")
     for t, png in plots(rep):
@@ -194,13 +226,13 @@ def render_html(rep: dict, rows: list[dict], prompts: list[str], out: Path | Non
     parts.append("</div>")
 
     parts.append("<h2>Every number (report.json)</h2><table id=numbers><tr><th class=l>policy</th>")
-    parts += [f"<th>{e(h)}</th>" for _, h in METRICS]
-    extra = sorted({k for p in pols for k in rep["policies"][p]} - {k for k, _ in METRICS})
+    parts += [f"<th>{e(h)}</th>" for _, h in cols]
+    extra = sorted({k for p in pols for k in rep["policies"][p]} - {k for k, _ in cols})
     parts += [f"<th>{e(k)}</th>" for k in extra]
     parts.append("</tr>")
     for p in pols:
         m = rep["policies"][p]
-        parts.append(f"<tr><td class=l>{e(p)}</td>" + "".join(f"<td>{e(fmt(m.get(k)))}</td>" for k, _ in METRICS)
+        parts.append(f"<tr><td class=l>{e(p)}</td>" + "".join(f"<td>{e(fmt(m.get(k)))}</td>" for k, _ in cols)
                      + "".join(f"<td>{e(fmt(m.get(k)))}</td>" for k in extra) + "</tr>")
     parts.append("</table><p>" + ", ".join(f"{e(k)} = {e(fmt(v))}" for k, v in rep.items() if k != "policies") + "</p>")
 
@@ -215,7 +247,7 @@ def render_html(rep: dict, rows: list[dict], prompts: list[str], out: Path | Non
             state = "<span class=hit>exact hit</span>" if r.get("exact") else f"<span class=hit>hit, resume step {e(fmt(r.get('resume_step')))}</span>"
         else:
             state = "<span class=miss>miss (ran dense)</span>"
-        return f"{state}<br>fidelity {r['fidelity']:.2f}, artifact {r['artifact']:.3f}<br>E2E {r['e2e']:.2f} s"
+        return f"{state}<br>{e(', '.join(f'{k} {_num(r.get(k))}' for k in names))}<br>E2E {r['e2e']:.2f} s"
 
     shown = []
     if out is not None:
@@ -237,7 +269,7 @@ def render_html(rep: dict, rows: list[dict], prompts: list[str], out: Path | Non
             parts.append(f"<figure>{img}<figcaption><b>{e(p)}</b><br>{caption(r)}</figcaption></figure>")
         parts.append("</div>")
 
-    parts.append("<h2>Per request</h2><details><summary>every test request (hit / E2E s / fidelity / artifact per policy)</summary>"
+    parts.append(f"<h2>Per request</h2><details><summary>every test request (hit / E2E s / {e(' / '.join(names))} per policy)</summary>"
                  "<table id=requests><tr><th>#</th><th class=l>kind</th><th class=l>prompt</th>")
     parts += [f"<th>{e(p)}</th>" for p in pols]
     parts.append("</tr>")
@@ -247,7 +279,7 @@ def render_html(rep: dict, rows: list[dict], prompts: list[str], out: Path | Non
         for p in pols:
             r = by.get((p, i))
             cells.append("<td>-</td>" if r is None else
-                         f"<td>{'hit' if r['hit'] else 'miss'} / {r['e2e']:.2f} / {r['fidelity']:.2f} / {r['artifact']:.3f}</td>")
+                         f"<td>{'hit' if r['hit'] else 'miss'} / {r['e2e']:.2f}" + "".join(f" / {_num(r.get(k))}" for k in names) + "</td>")
         parts.append(f"<tr><td>{i}</td><td class=l>{e(str(kind))}</td><td class='l prompt'>{e(prompts[i] if i < len(prompts) else '')}</td>{''.join(cells)}</tr>")
     parts.append("</table></details></body></html>\n")
     return "".join(parts)

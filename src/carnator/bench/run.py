@@ -1,8 +1,8 @@
 """Run policies over one trace with one engine model, each policy on its own cache, and report.
 
 Per policy: hit rate; E2E and DiT latency and speedup vs dense (whole workload and hits only);
-quality (judge fidelity, artifact) on all requests and on hits; unsafe-hit rate (hits whose
-fidelity falls below dense's by more than Delta, or artifact rises by more than Delta'); cache
+quality (each judge score the rule names) on all requests and on hits; unsafe-hit rate (hits the
+quality rule rejects against dense on the same request); cache
 bytes per entry. Results are appended per request to a JSONL file so an interrupted run resumes.
 
 The warm cache of each policy is the trace's W warm requests generated as misses (dense, recording what the
@@ -148,8 +148,6 @@ def summarize(done, order, n, rule: QualityRule) -> dict:
     rule names: its mean over all requests and over hits, and dense's mean over the same hits."""
     dense = {i: done[("dense", i)] for i in range(n)}
     rep = {"requests": n, "rule": rule.to_dict(), "policies": {}}
-    for k, v in rule.deltas.items():
-        rep[f"delta_{k}"] = v
     for pol in order:
         rows = [done[(pol, i)] for i in range(n)]
         hits = [r for r in rows if r["hit"]]
@@ -167,7 +165,7 @@ def summarize(done, order, n, rule: QualityRule) -> dict:
             "unsafe_hit_rate": len(unsafe) / len(hits) if hits else None,
             "bytes_per_entry": done.get((pol, "bytes"), {}).get("bytes_per_entry"),
         }
-        for k in rule.deltas:
+        for k in rule.directions:  # every score the rule names (deltas and floors)
             m[f"{k}_all"] = float(np.nanmean([r[k] for r in rows]))
             m[f"{k}_hits"] = float(np.nanmean([r[k] for r in hits])) if hits else None
             m[f"dense_{k}_on_hits"] = float(np.nanmean([dense[r["i"]][k] for r in hits])) if hits else None

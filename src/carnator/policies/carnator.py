@@ -55,6 +55,8 @@ class CarnatorConfig:
         and the blend ramp (PAPER step 7). compat: discrepancy knobs (PAPER step 5).
     thresholds: a thresholds file from ``carnator calibrate``; None = the shipped certified file for the embedded
         model, else the paper's tau (uncertified).
+    judge: the identity of the judge the thresholds file must have been certified by (``meta.judge`` of the file, e.g.
+        ``clip:<hash>``, what ``carnator calibrate --judge`` records); None = any. Not in the paper.
     prefetch: read the first recalled candidate's entry in a background thread while the probe runs, so a hit on it
         does not wait for the disk (default on; not in the paper).
     """
@@ -71,6 +73,7 @@ class CarnatorConfig:
     scope: ScopeConfig = field(default_factory=ScopeConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
     thresholds: str | None = None
+    judge: str | None = None
     prefetch: bool = True
 
     def __post_init__(self) -> None:
@@ -122,7 +125,7 @@ class CarnatorPolicy(Policy):
                 log.warning("%s; using the paper's thresholds (uncertified)", e)
 
     def _load(self, path, model: ModelInfo) -> None:
-        self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading())
+        self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading(), judge=self.cfg.judge)
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
         self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'})"

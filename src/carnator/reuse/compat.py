@@ -385,11 +385,14 @@ class Thresholds:
         return meta if isinstance(meta, dict) else {}
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, model_id: str, reading: Mapping[str, Any] | None = None) -> Thresholds:
+    def load(cls, path: str | os.PathLike[str], *, model_id: str, reading: Mapping[str, Any] | None = None,
+             judge: str | None = None) -> Thresholds:
         """Read thresholds written by :meth:`save`.
 
         ``reading``: the caller's signature-reading settings; when both it and the file give them, every setting
         the file records must be equal (a file without them, from before they were recorded, is not checked).
+        ``judge``: the identity of the judge the caller requires the thresholds to have been certified by (the file's
+        ``meta.judge``, e.g. ``clip:<hash of its weights>``); None accepts any.
 
         Raises:
             CarnatorError: the file is missing or unreadable, is not a thresholds file, has another
@@ -424,6 +427,11 @@ class Thresholds:
                     f"thresholds file {p} was calibrated for signatures read another way ({detail}): "
                     "recalibrate, or configure the policy as the file says"
                 )
+        if judge is not None:
+            meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
+            if meta.get("judge") != judge:
+                raise CarnatorError(f"thresholds file {p} was certified by judge {meta.get('judge')!r}, not {judge!r}: "
+                                    "recalibrate with this judge")
         try:
             return cls.from_dict(doc["thresholds"])
         except (KeyError, TypeError, ValueError) as e:

@@ -29,6 +29,8 @@ class ServiceMetrics:
                                 ["status", "policy"], registry=r)
         self.hits = Counter("carnator_cache_hits", "Finished jobs by cache tier: exact (stored video), reuse "
                             "(approximate: resumed from a cached trajectory) or miss", ["tier"], registry=r)
+        self.uncertified = Counter("carnator_uncertified_reuse_hits", "Finished approximate hits whose thresholds no "
+                                   "certified file backs (stats certified: false; only with --allow-uncertified)", registry=r)
         self.steps_skipped = Counter("carnator_steps_skipped", "Denoising steps not computed thanks to the cache", registry=r)
         self.seconds_saved = Counter("carnator_compute_seconds_saved", "Estimated device seconds saved by the cache "
                                      "(a dense run's estimate minus the job's time)", ["device"], registry=r)

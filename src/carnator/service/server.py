@@ -331,8 +331,9 @@ class _Server:
         return Server()
 
 
-def main_args(args) -> int:
-    """``carnator serve`` from parsed arguments (:mod:`carnator.cli`)."""
+def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
+    """``carnator serve`` from parsed arguments (:mod:`carnator.cli`); ``engine_config``: EngineConfig fields the CLI
+    checked (``--option``'s policy options)."""
     keys = load_keys(args.keys) if args.keys else None
     if args.verbose:
         logging.getLogger("carnator").setLevel(logging.DEBUG)
@@ -361,7 +362,8 @@ def main_args(args) -> int:
                       max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
                       allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts,
                       store=args.store, blobs=args.blobs, replicas=args.replicas or 0, ray_address=args.ray_address,
-                      router=args.router)
+                      router=args.router,
+                      engine_config=dict(engine_config or {}))
     logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     sys.stdout.flush()
     return run(cfg)

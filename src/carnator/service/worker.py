@@ -318,6 +318,8 @@ class WorkerPool:
             if status == COMPLETED and stats is not None:
                 tier = stats["tier"]
                 m.hits.labels(tier=tier).inc()
+                if tier == "reuse" and stats.get("certified") is False:
+                    m.uncertified.inc()
                 m.steps_skipped.inc(max(0, stats["steps"] - stats["steps_computed"]))
                 if stats["seconds_saved"]:
                     device = "cuda" if "cuda" in str(getattr(dev, "name", "")) else "cpu"
