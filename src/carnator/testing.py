@@ -278,9 +278,9 @@ def tiny_clip(path, seed: int = 0, *, image_size: int = 32, text_config: dict | 
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(str(path))
     _seed(seed)
     cfg = CLIPConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                         max_position_embeddings=77, bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
-                         pad_token_id=vocab["<|endoftext|>"], **(text_config or {})),
+        text_config=dict(dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                              max_position_embeddings=77, bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+                              pad_token_id=vocab["<|endoftext|>"]), **(text_config or {})),
         vision_config=dict(dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=image_size,
                                 patch_size=8), **(vision_config or {})),
         projection_dim=projection_dim,
