@@ -22,7 +22,9 @@ from ..attention.state import AttentionRecord, SparseConfig
 from ..errors import CarnatorError
 from ..plan import Decision, DecisionInputs, Phase, ProbeSpec, RegionSpec, ReusePlan
 from ..reuse import CompatConfig, ScopeConfig, Thresholds, explain, first_compatible, noun_diff
+from ..reuse.compat import NounDiff
 from ..signature import EarlySignature, RegionConfig
+from ..signature.content import content_change, content_distance
 from .base import Entry, ModelInfo, Policy, captured_masks, register_policy
 
 log = logging.getLogger("carnator")
@@ -57,6 +59,16 @@ class CarnatorConfig:
         model, else the paper's tau (uncertified).
     prefetch: read the first recalled candidate's entry in a background thread while the probe runs, so a hit on it
         does not wait for the disk (default on; not in the paper).
+    admitted_only: reuse only entries whose own output passed the engine's admission judge
+        (``EngineConfig.admission_judge``; entries the engine did not judge are allowed). A re-roll is unsafe mostly
+        when the clip it resumes from was itself a failed generation, which no query-side evidence can see (issue 26,
+        lever 1). Default on; not in the paper.
+    own_sample: how much of the request's own sample a hit keeps (issue 26, lever 6; not in the paper). 0: resume
+        the source's latent trajectory as it is (the paper; with the Active region covering the frame, a re-roll hit
+        then returns the source's clip). 1: at the resume step, re-noise the source's final (clean) latent with the
+        request's own seed noise (exact flow-matching state ``(1 - s) x0 + s e``), so a new seed gives a new sample
+        that keeps the source's layout. Between: the noise is ``a e_request + sqrt(1 - a^2) e_source`` (``e_source``
+        the noise implied by the source's latent at that step). Default 0.
     """
 
     top_k: int = 10
@@ -72,8 +84,12 @@ class CarnatorConfig:
     compat: CompatConfig = field(default_factory=CompatConfig)
     thresholds: str | None = None
     prefetch: bool = True
+    admitted_only: bool = True
+    own_sample: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= float(self.own_sample) <= 1.0:
+            raise ValueError(f"CarnatorConfig.own_sample must lie in [0, 1], got {self.own_sample!r}")
         if not isinstance(self.modifiers, int) or self.modifiers < 0:
             raise ValueError(f"CarnatorConfig.modifiers must be an integer >= 0, got {self.modifiers!r}")
         if self.tested is not None and self.tested < 1:
@@ -125,7 +141,23 @@ class CarnatorPolicy(Policy):
         self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading())
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
-        self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'})"
+        needs = meta.get("admission")
+        why = ""
+        if self.certified and needs:
+            # The certificate holds for sources that passed this gate; without it (or with a looser one) it does not.
+            have = model.admission
+            looser = have is None or not self.cfg.admitted_only or have.get("judge") != needs.get("judge") or any(
+                k not in have.get("rule", {}) for k in needs.get("rule", {}))
+            if not looser:
+                for k, bar in needs.get("rule", {}).items():
+                    mine = have["rule"][k]
+                    higher = needs.get("directions", {}).get(k, 1) > 0
+                    looser = looser or (mine < bar if higher else mine > bar)
+            if looser:
+                self.certified = False
+                why = f"; certified only with the admission gate {needs}, which this engine does not apply"
+                log.warning("thresholds %s%s", path, why)
+        self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'}{why})"
 
     # ---- what the engine runs ----------------------------------------------------------------------------
     def recall_k(self) -> int:
@@ -151,7 +183,13 @@ class CarnatorPolicy(Policy):
         diffs, in recall order."""
         out = []
         for c in inputs.candidates:
-            diff = noun_diff(inputs.nouns, c.meta.extra.get("nouns", []))
+            if self.cfg.admitted_only and c.meta.extra.get("admitted") is False:
+                continue  # its own output failed the admission judge: never a source
+            theirs = c.meta.extra.get("nouns", [])
+            diff = noun_diff(inputs.nouns, theirs)
+            if diff is None and inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) == 0:
+                # the same content in other words ("ball" for "circle"): the noun filter's synonyms
+                diff = NounDiff(shared=tuple(sorted(set(inputs.nouns) & set(theirs))), substituted=None)
             if diff is not None and "signature" in c.meta.extra:
                 out.append((c, diff))
         return out
@@ -185,7 +223,10 @@ class CarnatorPolicy(Policy):
                 tested.append((c, diff, EarlySignature.from_dict(c.meta.extra["signature"])))
             except (ValueError, KeyError, TypeError):
                 continue
-        won = first_compatible(sig, [(s, diff, c.similarity) for c, diff, s in tested], self.tau, self.cfg.compat)
+        contents = [None if inputs.content is None else content_distance(inputs.content, c.meta.extra.get("content"))
+                    for c, _, _ in tested]
+        won = first_compatible(sig, [(s, diff, c.similarity, k) for (c, diff, s), k in zip(tested, contents)], self.tau,
+                               self.cfg.compat)
         results = won.tested
         notes["tested"] = [{"id": c.meta.id, "similarity": c.similarity, "discrepancies": d.to_dict(),
                             "risk": None if self.tau.risk is None else self.tau.risk.risk(d)}
@@ -194,14 +235,17 @@ class CarnatorPolicy(Policy):
             if not tested:
                 return Decision.miss("no tested candidate carries a readable signature", details=notes)
             c, _, _ = tested[0]
-            return Decision.miss(f"{c.meta.id[:8]} fails the compatibility test: {explain(results[0], self.tau)}", details=notes,
-                                 similarity=c.similarity, discrepancies=results[0])
+            change = "" if inputs.content is None else f" ({content_change(inputs.content, c.meta.extra.get('content'))})"
+            return Decision.miss(f"{c.meta.id[:8]} fails the compatibility test{change}: {explain(results[0], self.tau)}",
+                                 details=notes, similarity=c.similarity, discrepancies=results[0])
         c, diff, _ = tested[won.index]
         d = results[won.index]
         notes["discrepancies"] = {k: (None if v is None else float(v)) for k, v in vars(d).items()}
         return Decision(
             reuse=True, source_id=c.meta.id, similarity=c.similarity, discrepancies=d, certified=self.certified,
-            reason=f"compatible with {c.meta.id[:8]}: {explain(d, self.tau)}",
+            reason=f"compatible with {c.meta.id[:8]}"
+                   + ("" if inputs.content is None else f" ({content_change(inputs.content, c.meta.extra.get('content'))})")
+                   + f": {explain(d, self.tau)}",
             details={**notes, "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
         )
 
@@ -227,6 +271,7 @@ class CarnatorPolicy(Policy):
         masks_apply = inputs.sparse is not None
         return ReusePlan(
             hit=True, source_id=decision.source_id, resume_step=r, init_latent=f"traj.{r - 1}",
+            own_sample=float(cfg.own_sample), clean_latent=f"traj.{n - 1}" if cfg.own_sample > 0 else None,
             phases=(Phase(r, n, blend=True, window=True, masks=masks_apply),), region=region, window_layers=cfg.window,
             mask_prefix=MASK_PREFIX if masks_apply else None, capture=inputs.sparse,
         )
