@@ -418,6 +418,10 @@ class Carnator:
             inputs = dataclasses.replace(inputs, candidates=recall(self.store, req.tenant, key, embedding, pol.recall_k()))
             tm["recall"] = time.perf_counter() - t0
         prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
+        if spec is not None and fallback is None and injected is None and hasattr(pol, "probe_needed") \
+                and not pol.probe_needed(inputs):
+            spec = None  # the probe cannot change this decision: the request runs its steps as dense does
+            stats.notes["probe"] = "skipped"
 
         if spec is not None and fallback is None:
             t0 = time.perf_counter()

@@ -12,6 +12,7 @@ the policy then decides over plain data:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,10 @@ class CarnatorConfig:
         request's own seed noise (exact flow-matching state ``(1 - s) x0 + s e``), so a new seed gives a new sample
         that keeps the source's layout. Between: the noise is ``a e_request + sqrt(1 - a^2) e_source`` (``e_source``
         the noise implied by the source's latent at that step). Default 0.
+    probe: "auto" (default) runs the dense probe only where its evidence can change the decision: not when the
+        thresholds read no signature dimension (a content-only file), nor when no recalled candidate passes the content
+        threshold (the miss is decided before the probe, and the request runs as dense does). "always": the paper's
+        probe on every request (its signature is then stored for later requests whose thresholds read it).
     """
 
     top_k: int = 10
@@ -86,8 +91,11 @@ class CarnatorConfig:
     prefetch: bool = True
     admitted_only: bool = True
     own_sample: float = 0.0
+    probe: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.probe not in ("auto", "always"):
+            raise ValueError(f'CarnatorConfig.probe must be "auto" or "always", got {self.probe!r}')
         if not 0.0 <= float(self.own_sample) <= 1.0:
             raise ValueError(f"CarnatorConfig.own_sample must lie in [0, 1], got {self.own_sample!r}")
         if not isinstance(self.modifiers, int) or self.modifiers < 0:
@@ -178,9 +186,28 @@ class CarnatorPolicy(Policy):
         # A reuse resumes at r and blends with the source's latents after every later step: traj.{r-1} .. traj.{n-1}.
         return set(range(self.resume_at() - 1, num_steps))
 
-    def candidates(self, inputs: DecisionInputs):
-        """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature, with their noun
-        diffs, in recall order."""
+    def uses_signature(self) -> bool:
+        """Whether the thresholds read any Early Signature dimension (else a content-only rule: no probe needed)."""
+        t = self.tau
+        return t.risk is not None or any(not math.isinf(getattr(t, k)) for k in ("context", "size", "shape", "color"))
+
+    def probe_needed(self, inputs: DecisionInputs) -> bool:
+        """Whether this request's probe can change the decision (``CarnatorConfig.probe``); the engine asks after
+        recall and skips the probe when not."""
+        if self.cfg.probe == "always":
+            return True
+        if not self.uses_signature():
+            return False
+        if math.isinf(self.tau.content) or inputs.content is None:
+            return True
+        return any(content_distance(inputs.content, c.meta.extra.get("content")) <= self.tau.content
+                   for c, _ in self.candidates(inputs, need_signature=False))
+
+    def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None):
+        """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds
+        read one), with their noun diffs, in recall order."""
+        if need_signature is None:
+            need_signature = self.uses_signature()
         out = []
         for c in inputs.candidates:
             if self.cfg.admitted_only and c.meta.extra.get("admitted") is False:
@@ -190,7 +217,7 @@ class CarnatorPolicy(Policy):
             if diff is None and inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) == 0:
                 # the same content in other words ("ball" for "circle"): the noun filter's synonyms
                 diff = NounDiff(shared=tuple(sorted(set(inputs.nouns) & set(theirs))), substituted=None)
-            if diff is not None and "signature" in c.meta.extra:
+            if diff is not None and ("signature" in c.meta.extra or not need_signature):
                 out.append((c, diff))
         return out
 
@@ -199,6 +226,8 @@ class CarnatorPolicy(Policy):
         if not cands or not self.cfg.prefetch or 1.0 - cands[0][0].similarity > self.tau.text:
             return None  # its text distance alone already fails the test
         c = cands[0][0]
+        if inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) > self.tau.content:
+            return None  # it asks for something else: it fails the test
         r, n = self.resume_at(), inputs.num_steps
         names = [f"traj.{i}" for i in range(r - 1, n)] + [EVIDENCE_PREFIX + w for w in c.meta.extra.get("nouns", [])]
         if inputs.sparse is not None:
@@ -208,8 +237,13 @@ class CarnatorPolicy(Policy):
     # ---- decide and plan ---------------------------------------------------------------------------------
     def decide(self, inputs: DecisionInputs) -> Decision:
         sig = inputs.signature
-        if sig is None:
+        if sig is None and self.uses_signature():
+            if self.cfg.probe == "auto" and not self.probe_needed(inputs):
+                return Decision.miss("no cached request asks the same (decided before the probe)",
+                                     details={"candidates": len(inputs.candidates), "probe": "skipped"})
             return Decision.miss("no probe signature")
+        if sig is None:
+            sig = EarlySignature()   # a content-only rule reads no signature dimension
         cands = self.candidates(inputs)
         notes = {"candidates": len(cands), "signature": sig.to_dict()}
         if not cands:
@@ -220,7 +254,9 @@ class CarnatorPolicy(Policy):
         tested = []
         for c, diff in cands[: self.cfg.tested]:
             try:
-                tested.append((c, diff, EarlySignature.from_dict(c.meta.extra["signature"])))
+                theirs = c.meta.extra.get("signature")
+                tested.append((c, diff, EarlySignature() if theirs is None and not self.uses_signature()
+                               else EarlySignature.from_dict(theirs)))
             except (ValueError, KeyError, TypeError):
                 continue
         contents = [None if inputs.content is None else content_distance(inputs.content, c.meta.extra.get("content"))
@@ -267,7 +303,10 @@ class CarnatorPolicy(Policy):
             source = [EVIDENCE_PREFIX + w for w in source_nouns]
         if decision.regions is not None:  # an injected decision's own target (a replay)
             masks = list(decision.regions) if sub is None else [decision.regions[0]]
-        region = RegionSpec(scope=cfg.scope, masks=tuple(m for m in masks if m is not None), source_masks=tuple(source))
+        masks = tuple(m for m in masks if m is not None)
+        # no probe ran (a content-only rule): no region was read, and the whole frame is recomputed (Active 1.0)
+        region = RegionSpec(scope=cfg.scope, masks=masks, source_masks=tuple(source) if masks else (),
+                            everywhere_if_empty=inputs.signature is None)
         masks_apply = inputs.sparse is not None
         return ReusePlan(
             hit=True, source_id=decision.source_id, resume_step=r, init_latent=f"traj.{r - 1}",
