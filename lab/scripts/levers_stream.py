@@ -113,6 +113,11 @@ def stream(name, trace_path, cache, device, tau_path, out_path):
             src = eng.store.get(s.source_id) if s.hit and s.source_id else None
             if src is not None:
                 row["source_prompt"] = src.prompt
+                try:  # how far the hit is from the clip it reused (0: the cached clip itself)
+                    v = eng.store.load(s.source_id, ["video"])["video"].numpy().astype(np.float32)
+                    row["vs_source"] = float(np.abs(res.frames.astype(np.float32) - v).mean())
+                except Exception:  # noqa: BLE001 - a diagnostic only
+                    pass
                 row["change"] = change_kind(r.prompt, src.prompt, eng.content(r.prompt), eng.content(src.prompt))
             elif base is not None:
                 row["change"] = change_kind(r.prompt, base, eng.content(r.prompt), eng.content(base))
@@ -168,6 +173,7 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("/tmp/levers-stream"))
     ap.add_argument("--sources", type=Path, help="run levers_sources.py part A on this pair list beside the warm fill")
     ap.add_argument("--sources-jobs", type=int, default=4)
+    ap.add_argument("--own-n", type=int, default=0, help="levers_sources.py part B's prompts, beside the warm fill")
     ap.add_argument("--summarize-only", action="store_true")
     args = ap.parse_args()
     from carnator.judges import QualityRule
@@ -189,7 +195,7 @@ def main() -> None:
         side = None
         if args.sources is not None:
             side = subprocess.Popen([sys.executable, str(HERE / "levers_sources.py"), "--pairs", str(args.sources), "--out",
-                                     str(args.out), "--jobs", str(args.sources_jobs), "--own-n", "0", "--device", args.device,
+                                     str(args.out), "--jobs", str(args.sources_jobs), "--own-n", str(args.own_n), "--device", args.device,
                                      "--root", str(args.root / "sources"), "--same-content"])
         warm = args.root / "warm"
         probe = engine(args.root / "probe", args.device)

@@ -219,6 +219,11 @@ class CarnatorPolicy(Policy):
                 diff = NounDiff(shared=tuple(sorted(set(inputs.nouns) & set(theirs))), substituted=None)
             if diff is not None and ("signature" in c.meta.extra or not need_signature):
                 out.append((c, diff))
+        if inputs.content is not None and not math.isinf(self.tau.content):
+            # A candidate that asks what the request asks is tested before one that does not (recall order otherwise):
+            # the content test reads only the two prompts, so this adds no chance for a signature test to err, and a
+            # rewording's nearest sentence is often another scene's.
+            out.sort(key=lambda cd: content_distance(inputs.content, cd[0].meta.extra.get("content")) > self.tau.content)
         return out
 
     def prefetch(self, inputs: DecisionInputs):
