@@ -70,9 +70,8 @@ class CarnatorConfig:
         request's own seed noise (exact flow-matching state ``(1 - s) x0 + s e``), so a new seed gives a new sample
         that keeps the source's layout. Between: the noise is ``a e_request + sqrt(1 - a^2) e_source`` (``e_source``
         the noise implied by the source's latent at that step). Default 0.
-    probe: "auto" (default) runs the dense probe only where its evidence can change the decision: not when the
-        thresholds read no signature dimension (a content-only file), nor when no recalled candidate passes the content
-        threshold (the miss is decided before the probe, and the request runs as dense does). "always": the paper's
+    probe: "auto" (default) skips the dense probe when the thresholds read no signature dimension (a content-only
+        file): the request then runs its steps as dense does, and a hit resumes without probe steps. "always": the paper's
         probe on every request (its signature is then stored for later requests whose thresholds read it).
     """
 
@@ -196,12 +195,9 @@ class CarnatorPolicy(Policy):
         recall and skips the probe when not."""
         if self.cfg.probe == "always":
             return True
-        if not self.uses_signature():
-            return False
-        if math.isinf(self.tau.content) or inputs.content is None:
-            return True
-        return any(content_distance(inputs.content, c.meta.extra.get("content")) <= self.tau.content
-                   for c, _ in self.candidates(inputs, need_signature=False))
+        # With thresholds that read a signature the probe always runs: its signature is stored with the entry, and a
+        # later request's test needs it even when this request has no candidate.
+        return self.uses_signature()
 
     def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None):
         """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds
@@ -253,6 +249,8 @@ class CarnatorPolicy(Policy):
         notes = {"candidates": len(cands), "signature": sig.to_dict()}
         if not cands:
             why = "no cached request passes the noun filter" if inputs.candidates else "nothing cached to reuse"
+            if self.cfg.admitted_only and any(c.meta.extra.get("admitted") is False for c in inputs.candidates):
+                why += " among those whose own clip passed the admission judge"
             return Decision.miss(why, details=notes)
         if self.resume_at() >= inputs.num_steps:
             return Decision.miss(f"the resume step {self.resume_at()} is not inside the {inputs.num_steps} steps", details=notes)
