@@ -12,7 +12,6 @@ from .calibrate import (
     select_thresholds,
     separation,
     split_pairs,
-    stratified_certification,
 )
 from .compat import (
     THRESHOLDS_FORMAT_VERSION,
@@ -64,6 +63,5 @@ __all__ = [
     "shape_distance",
     "smoothstep",
     "split_pairs",
-    "stratified_certification",
     "upsample_tokens",
 ]
