@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from .store import BLOB_SUFFIX, STAGED_SUFFIX, BlobInfo, BlobStore
+from .store import STAGED_SUFFIX, BlobInfo, BlobStore, parse_blob_name
 
 QUARANTINE = "quarantine"
 
@@ -103,12 +103,10 @@ class FsspecBlobStore(BlobStore):
         out: list[BlobInfo] = []
         for info in listing:
             name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-            if name.startswith(".") and name.endswith(STAGED_SUFFIX):
-                key, staged = name[1 : -len(STAGED_SUFFIX)], True
-            elif not name.startswith(".") and name.endswith(BLOB_SUFFIX):
-                key, staged = name, False
-            else:
+            parsed = parse_blob_name(name)
+            if parsed is None:
                 continue
+            key, staged = parsed
             out.append(BlobInfo(key, staged, _mtime(info), name))
         return out
 

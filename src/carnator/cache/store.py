@@ -186,6 +186,16 @@ class BlobInfo:
         return entry_of(self.key)
 
 
+def parse_blob_name(name: str) -> tuple[str, bool] | None:
+    """A file name in a blob directory as ``(key, staged)``: ``KEY.BLOB_SUFFIX`` a published blob, ``.KEY.STAGED_SUFFIX``
+    one being written; None for anything else."""
+    if name.startswith(".") and name.endswith(STAGED_SUFFIX):
+        return name[1 : -len(STAGED_SUFFIX)], True
+    if not name.startswith(".") and name.endswith(BLOB_SUFFIX):
+        return name, False
+    return None
+
+
 class BlobStore(ABC):
     """Immutable named blobs. Keys are plain names (``[0-9a-z._-]``); a key is written once and never rewritten."""
 
@@ -312,12 +322,10 @@ class LocalBlobStore(BlobStore):
         with it:
             for de in it:
                 name = de.name
-                if name.startswith(".") and name.endswith(STAGED_SUFFIX):
-                    key, staged = name[1 : -len(STAGED_SUFFIX)], True
-                elif not name.startswith(".") and name.endswith(BLOB_SUFFIX):
-                    key, staged = name, False
-                else:
+                parsed = parse_blob_name(name)
+                if parsed is None:
                     continue
+                key, staged = parsed
                 try:
                     mtime = de.stat(follow_symlinks=False).st_mtime
                 except FileNotFoundError:
