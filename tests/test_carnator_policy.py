@@ -249,8 +249,8 @@ def test_uncertified_reuse_is_refused_when_the_engine_requires_certificates(tmp_
     assert eng.generate("a small red box moving left on grass", seed=2, num_inference_steps=STEPS).stats.certified is False
     assert strict.generate("a small red ball moving left on grass", seed=1, num_inference_steps=STEPS).stats.exact_hit
     shipped = Carnator(eng.pipe, tmp_path / "shipped", adapter=eng.adapter, embedder=bag_of_words_embedder(),
-                       config=EngineConfig(allow_uncertified=False))
+                       config=EngineConfig(allow_uncertified=False, admission_judge=None))  # every source admitted
     assert shipped.policy("carnator").certified
     shipped.generate("a small red ball moving left on grass", seed=1)
     r = shipped.generate("a small red ball moving left on grass", seed=5)
-    assert r.stats.hit and r.stats.certified is True
+    assert r.stats.hit and r.stats.certified is True, r.stats.reason

@@ -16,7 +16,7 @@ from carnator.demo import STREAM, run_demo
 from carnator.testing import hashed_embedder
 from carnator.video import read_video
 
-STEPS = 3  # fewer than the carnator policy's 4-step probe: every miss is generated densely, request 6 is an exact hit
+STEPS = 3  # fewer than the carnator policy's 4-step probe: every miss is generated densely, request 9 is an exact hit
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,9 @@ def test_demo_stream(demo):
     out = tmp / "out"
     assert len(rows) == len(STREAM)
     assert lines[0] == f"cache: {eng.store.root} (empty: a fresh start)"
-    # request 6 repeats request 0 exactly (prompt and seed): served from the exact tier, from request 0's entry
-    assert STREAM[6] == STREAM[0]
-    r0, r6 = rows[0], rows[6]
+    # request 9 repeats request 0 exactly (prompt and seed): served from the exact tier, from request 0's entry
+    assert STREAM[9] == STREAM[0]
+    r0, r6 = rows[0], rows[9]
     assert r6["decision"] == "exact hit" and r6["exact"] and r6["source"] == r0["entry"] and r6["source_request"] == 0
     assert r6["reason"] == f"the same request as entry {r0['entry'][:8]} ({STREAM[0][0]!r}, seed 1): its stored video"
     assert r6["source_gif"] == r0["gif"] and (read_video(out / r6["gif"]) == read_video(out / r0["gif"])).all()
@@ -44,7 +44,7 @@ def test_demo_stream(demo):
         # every request has its own dense run: the embedded model guides (scale 4), two DiT forwards a step
         assert r["dense_dit_forwards"] == 2 * STEPS and (out / r["dense_gif"]).exists() and (out / r["gif"]).exists()
         assert r["speedup"] == round(r["dense_seconds"] / r["seconds"], 2)
-        if r["i"] != 6:
+        if r["i"] != 9:
             assert r["decision"] == "miss" and r["steps_computed"] == STEPS and r["dit_forwards"] == 2 * STEPS
             assert r["reason"] == f"generated densely: {STEPS} steps <= the 4-step probe"
     # the warm-up (seed 0) and the dense runs were not stored: only the stream's own entries are anyone's source

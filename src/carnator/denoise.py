@@ -79,6 +79,25 @@ def resume(adapter: BackboneAdapter, state: DenoiseState, latent: torch.Tensor, 
     adapter.seek(state.scheduler, state.next_step)
 
 
+def own_sample_latent(adapter: BackboneAdapter, state: DenoiseState, req: Request, latent: torch.Tensor,
+                      clean: torch.Tensor, step: int, mix: float) -> torch.Tensor:
+    """The start latent of a hit that keeps the request's own sample (issue 26, lever 6), for flow-matching schedulers.
+
+    ``latent`` is the source's latent entering ``step`` (at noise level ``s = sigmas[step]``) and ``clean`` its final
+    latent ``x0``. The source's latent is ``(1 - s) x0 + s e_src``, so ``e_src`` follows; the result is
+    ``(1 - s) x0 + s (mix e_req + sqrt(1 - mix^2) e_src)`` with ``e_req`` the request's own seed noise: ``mix`` 0
+    gives the source's latent back, 1 the exact state of a flow-matching trajectory through ``x0`` with the request's
+    noise."""
+    sigma = float(state.scheduler.sigmas[step])
+    dev = state.latents.device
+    z, x0 = latent.to(dev, torch.float32), clean.to(dev, torch.float32)
+    e_src = (z - (1.0 - sigma) * x0) / max(sigma, 1e-6)
+    e_req = adapter.prepare_latents(req, adapter.make_generator(req)).to(dev, torch.float32)
+    mix = float(mix)
+    e = mix * e_req + float(np.sqrt(max(0.0, 1.0 - mix * mix))) * e_src
+    return ((1.0 - sigma) * x0 + sigma * e).to(state.latents.dtype)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -66,6 +66,18 @@ class EngineConfig:
     cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
         applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
         launch-bound models; the results are the eager forward's.
+    admission_judge: the quality judge (a :func:`~carnator.judges.get_judge` spec; "auto", the default: ``shapes`` on the
+        embedded model when that judge is registered (carnator-lab installed), else none)
+        that scores every stored request's own output, after decode; its scores go into the entry (``quality``) and the
+        entry is ``admitted`` as a reuse source only if they pass ``admission_rule`` (issue 26, lever 1: a re-roll is
+        unsafe mostly when its source was itself a failed generation). None: no judge, every entry admitted.
+    admission_rule: per score, the bar its output must pass: a higher-is-better score must be ``>=`` its value, a
+        lower-is-better one ``<=`` (directions from the judge). Default: fidelity >= 0.75, artifact <= 0.1, i.e. the
+        source would itself be an acceptable reuse of a perfect dense clip under the calibration's rule (Delta 0.25 /
+        0.1).
+    write_behind: store the entry (and run the admission judge) in a background thread after the result is returned,
+        off the request's critical path; a request that starts before the write ends does not see the entry yet.
+        :meth:`Carnator.flush` waits for the writes. Default off.
     allow_uncertified: whether approximate reuse may rest on a decision that no certified thresholds file backs (the
         paper's thresholds on a model they were not calibrated for, or a text-similarity baseline). False (what
         ``carnator serve`` uses unless ``--allow-uncertified``): such a decision becomes a miss; exact hits are always
@@ -81,6 +93,9 @@ class EngineConfig:
     intra_cache: str | dict[str, Any] | None = None
     cuda_graphs: bool = False
     allow_uncertified: bool = True
+    admission_judge: str | None = "auto"
+    admission_rule: dict[str, float] = field(default_factory=lambda: {"fidelity": 0.75, "artifact": 0.1})
+    write_behind: bool = False
 
     def __post_init__(self) -> None:
         cs = self.capture_steps
@@ -141,6 +156,22 @@ class Carnator:
         self.store: CacheStore = _open_store(cache_dir, self.config)
         self._embedder = embedder
         self.nouns = nouns or self.adapter.noun_extractor()
+        self.content = self.adapter.content_reader()
+        self._judge = None
+        spec = self.config.admission_judge
+        if spec == "auto":
+            from .judges import available_judges
+
+            spec = "shapes" if self.adapter.family == "embedded" and "shapes" in available_judges() else None
+        if spec is not None:
+            from .judges import get_judge
+
+            self._judge = get_judge(spec)
+            unknown = sorted(set(self.config.admission_rule) - set(self._judge.directions))
+            if unknown:
+                raise ValueError(f"EngineConfig.admission_rule names scores the judge {self._judge.name} lacks: {unknown}")
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
         self._policies: dict[str, Policy] = {}
         self._lock = threading.Lock()
         self._text_lock = threading.Lock()  # fast tokenizers refuse concurrent calls with other settings ("Already borrowed")
@@ -222,7 +253,7 @@ class Carnator:
                 if klass is None:
                     raise InvalidRequestError(f"unknown policy {name!r}; available: {', '.join(policy_names())}")
                 pol = klass(**self.config.policy_options.get(name, {}))
-                pol.prepare(ModelInfo(self.model_identity, self.adapter.family))
+                pol.prepare(self.model_info)
                 self._policies[name] = pol
             return self._policies[name]
 
@@ -232,9 +263,15 @@ class Carnator:
         name = getattr(policy, "name", None)
         if not isinstance(name, str) or not callable(getattr(policy, "decide", None)):
             raise InvalidRequestError("use_policy needs a Policy instance (with a name and a decide method)")
-        policy.prepare(ModelInfo(self.model_identity, self.adapter.family))
+        policy.prepare(self.model_info)
         with self._lock:
             self._policies[name] = policy
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """What policies may know of the model and of this engine's admission gate."""
+        adm = None if self._judge is None else {"judge": self._judge.name, "rule": dict(self.config.admission_rule)}
+        return ModelInfo(self.model_identity, self.adapter.family, adm)
 
     @property
     def cache_identity(self) -> str:
@@ -375,6 +412,7 @@ class Carnator:
         if needs_attention and fallback is None:
             ad.ensure_attention()
         nouns = tuple(self.nouns(req.prompt))
+        content = tuple(self.content(req.prompt))
         words = pol.words(req.prompt, nouns) if fallback is None else ()
         with self._text_lock:
             word_positions = {w: tuple(ad.word_token_positions(req.prompt, w)) for w in words}
@@ -386,7 +424,7 @@ class Carnator:
             sparse = sc if sc.applies(state.latents.device) else None
 
         inputs = DecisionInputs(request=req, num_steps=n, grid=grid, num_layers=ad.num_layers(), nouns=nouns,
-                                word_positions=word_positions, sparse=sparse, reuse=mode == "reuse")
+                                word_positions=word_positions, sparse=sparse, reuse=mode == "reuse", content=content)
         key = self.compat_key(req, pol)
         embedding: np.ndarray | None = None
         if mode == "reuse" and fallback is None and pol.recall_k() > 0:
@@ -395,6 +433,10 @@ class Carnator:
             inputs = dataclasses.replace(inputs, candidates=recall(self.store, req.tenant, key, embedding, pol.recall_k()))
             tm["recall"] = time.perf_counter() - t0
         prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
+        if spec is not None and fallback is None and injected is None and hasattr(pol, "probe_needed") \
+                and not pol.probe_needed(inputs):
+            spec = None  # the probe cannot change this decision: the request runs its steps as dense does
+            stats.notes["probe"] = "skipped"
 
         if spec is not None and fallback is None:
             t0 = time.perf_counter()
@@ -468,12 +510,27 @@ class Carnator:
             t0 = time.perf_counter()
             if embedding is None:
                 embedding = self._embed(req.prompt)
-            stats.entry_id = self._admit(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
+            if self.config.write_behind:
+                with self._lock:
+                    if self._writer is None:
+                        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-store")
+                    self._pending = [f for f in self._pending if not f.done()]
+                    self._pending.append(self._writer.submit(self._admit, req, pol, inputs, plan, state, frames, key, exact_key,
+                                                             embedding, stats))
+            else:
+                stats.entry_id = self._admit(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
             tm["store"] = time.perf_counter() - t0
         if plan.hit and plan.source_id is not None:
             self.store.touch(plan.source_id)
         tm["total"] = time.perf_counter() - t_start
         return Result(frames=frames, stats=stats, request=req, video=video)
+
+    def flush(self) -> None:
+        """Wait until every write-behind store (``EngineConfig.write_behind``) has finished."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
 
     def _prefetch(self, what) -> tuple[str, Future] | None:
         """Read a candidate's tensors in a background thread while the probe runs."""
@@ -505,7 +562,11 @@ class Carnator:
             tensors = got
         program = denoise.Program.bind(plan, self.adapter, req, state, tensors)
         if program is not None and plan.hit and plan.init_latent is not None:
-            denoise.resume(self.adapter, state, tensors[plan.init_latent], plan.resume_step)
+            start = tensors[plan.init_latent]
+            if plan.own_sample > 0 and plan.clean_latent is not None and tensors.get(plan.clean_latent) is not None:
+                start = denoise.own_sample_latent(self.adapter, state, req, start, tensors[plan.clean_latent],
+                                                  plan.resume_step, plan.own_sample)
+            denoise.resume(self.adapter, state, start, plan.resume_step)
         return program
 
     def _load_source(self, plan: ReusePlan) -> dict[str, torch.Tensor] | None:
@@ -521,13 +582,26 @@ class Carnator:
     def _admit(self, req: Request, pol: Policy, inputs: DecisionInputs, plan: ReusePlan, state: denoise.DenoiseState,
                frames: np.ndarray, key: str, exact_key: str, embedding: np.ndarray, stats: Stats) -> str | None:
         """Store the request's trajectory, video and the policy's entry; a cache that cannot take it costs the entry,
-        not the video."""
+        not the video. With an admission judge, its scores of the output and whether they pass ``admission_rule`` go
+        into the entry (``quality``, ``admitted``)."""
+        quality: dict[str, Any] = {}
+        if self._judge is not None:
+            t0 = time.perf_counter()
+            scores = self._judge.score(frames, req.prompt)
+            ok = True
+            for k, bar in self.config.admission_rule.items():
+                v = float(scores.get(k, float("nan")))
+                ok = ok and (v >= bar if self._judge.directions[k] > 0 else v <= bar)  # NaN fails
+            quality = {"quality": {k: float(v) for k, v in scores.items()}, "admitted": bool(ok)}
+            stats.timings["admission_judge"] = time.perf_counter() - t0
+            stats.notes["admitted"] = bool(ok)
         dtype = getattr(torch, self.config.latent_dtype)
         tensors: dict[str, torch.Tensor] = {f"traj.{i}": z.to(dtype) for i, z in state.trajectory.items()}
         entry = pol.entry(inputs, plan, state.attention.record)
         tensors.update(entry.tensors)
         # "approximate": the video came from reuse, not from every step of this request's own trajectory.
-        extra = {"steps": req.num_inference_steps, "approximate": bool(plan.hit), "nouns": list(inputs.nouns), **entry.extra}
+        extra = {"steps": req.num_inference_steps, "approximate": bool(plan.hit), "nouns": list(inputs.nouns),
+                 "content": None if inputs.content is None else list(inputs.content), **quality, **entry.extra}
         try:
             return self.store.admit(StoreSpec(
                 tenant=req.tenant, compat_key=key, exact_key=exact_key if self.config.store_video else None,

@@ -68,7 +68,8 @@ class DecisionInputs:
     Evidence Regions (token-grid bool masks per noun) when the policy probed; ``grid``: the (T, H, W) token grid;
     ``num_layers``: the transformer's layers; ``word_positions``: text-token positions of each word the policy asked
     for (:meth:`~carnator.policies.base.Policy.words`); ``sparse``: the block-mask capture that applies on this
-    device (None: masks are neither captured nor applied here).
+    device (None: masks are neither captured nor applied here); ``content``: what the prompt asks
+    (:mod:`carnator.signature.content`; None: not read).
     """
 
     request: Request
@@ -82,6 +83,7 @@ class DecisionInputs:
     word_positions: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     sparse: SparseConfig | None = None
     reuse: bool = True
+    content: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,12 +165,17 @@ class ReusePlan:
     masks cannot serve the plan. ``record``: cross-
     attention to record at one step, as (step, layer, positions) (Chorus reads its regions from it, and every request
     stores it). ``capture``: this request's block masks to capture (every step its stride allows).
+    ``own_sample`` / ``clean_latent``: with ``own_sample`` > 0 the start latent is re-noised from the source's final
+    latent (``clean_latent``) with the request's own seed noise mixed in by ``own_sample``
+    (:func:`carnator.denoise.own_sample_latent`; issue 26, lever 6).
     """
 
     hit: bool = False
     source_id: str | None = None
     resume_step: int | None = None
     init_latent: str | None = None
+    own_sample: float = 0.0
+    clean_latent: str | None = None
     phases: tuple[Phase, ...] = ()
     region: RegionSpec | None = None
     window_layers: tuple[float, float] | None = None
@@ -184,7 +191,9 @@ class ReusePlan:
     def source_tensors(self) -> list[str]:
         """Names of the source tensors this plan reads (block masks aside: they are found by prefix)."""
         names = [] if self.init_latent is None else [self.init_latent]
-        names += [f"traj.{i}" for i in self.blend_steps()]
+        if self.clean_latent is not None and self.clean_latent not in names:
+            names.append(self.clean_latent)
+        names += [f"traj.{i}" for i in self.blend_steps() if f"traj.{i}" not in names]
         if self.region is not None:
             names += list(self.region.source_masks)
             if self.region.recorded is not None:

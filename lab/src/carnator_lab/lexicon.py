@@ -17,15 +17,16 @@ def lexicon() -> dict:
     from .world import captions as c
 
     phrases = []
-    for words, (kind, _value) in sorted(c._LEXICON.items()):
+    for words, (kind, value) in sorted(c._LEXICON.items()):
         noun = None
         if kind == "shape":
             noun = words[0]
         elif kind == "background":
             noun = c._PLACE_NOUN.get(words, words[-1])
-        phrases.append({"words": " ".join(words), "kind": {"shape": "object", "background": "place"}.get(kind, kind), "noun": noun})
+        phrases.append({"words": " ".join(words), "kind": {"shape": "object", "background": "place"}.get(kind, kind), "noun": noun,
+                        "value": value})
     return {"about": "The embedded model's caption lexicon: every phrase its captions use, longest match first; nouns of object and "
-                     "place phrases (the noun filter's input). Generated from the shapes world by `carnator-lab export-lexicon`; "
+                     "place phrases (the noun filter's input) and each phrase's canonical value (what it asks: synonyms share one; the content reader's input). Generated from the shapes world by `carnator-lab export-lexicon`; "
                      "a lab test keeps the two equal.",
             "vocabulary": c.vocabulary(), "phrases": phrases}
 

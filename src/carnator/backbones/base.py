@@ -337,6 +337,13 @@ class BackboneAdapter(ABC):
     def prompt_token_ids(self, prompt: str) -> list[int]:
         """Token ids of the prompt exactly as the transformer sees them (cond branch, unpadded)."""
 
+    def content_reader(self):
+        """What a prompt asks for (``text -> list[str]``, :mod:`carnator.signature.content`): content words minus stop,
+        style and framing words for real models."""
+        from ..signature.content import heuristic_content
+
+        return heuristic_content
+
     def noun_extractor(self):
         """The nouns of a prompt for this model (``text -> list[str]``): spaCy or the heuristic of
         :func:`~carnator.signature.nouns.extract_nouns` for real models."""

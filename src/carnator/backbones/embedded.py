@@ -107,6 +107,14 @@ class EmbeddedAdapter(WanAdapter):
 
         return LexiconNouns.from_file(HERE / "lexicon.json")
 
+    def content_reader(self):
+        """What a shapes-world caption asks for (objects with size, colour, noun and motion, and the place; synonyms
+        equal), from the shipped lexicon."""
+        from ..embedded import HERE
+        from ..signature.content import LexiconContent
+
+        return LexiconContent.from_file(HERE / "lexicon.json")
+
     def word_token_positions(self, prompt: str, word: str, modifiers: int = 0) -> list[int]:
         """One token per known word (unknown words are dropped, the sequence is cut at ``max_words``)."""
         from ..signature.nouns import noun_phrase_spans

@@ -75,6 +75,8 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, j
                     if not eng.is_cached(r.prompt, seed=r.seed, num_inference_steps=steps, **kw):
                         eng.generate(r.prompt, seed=r.seed, policy=pol, num_inference_steps=steps, cache="off", **kw)
                     progress(f"[{pol}] warm {k + 1}/{len(todo)}" + (f" (shard {k0 + 1} of {n})" if n > 1 else ""))
+                if hasattr(eng, "flush"):
+                    eng.flush()  # write-behind stores: the warm cache is complete before it counts as filled
                 if warm_shard is None:
                     (cache / ".warm").write_text("ok")
             if warm_shard is not None:
@@ -108,6 +110,8 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, j
                 done[(pol, i)] = row
                 progress(f"[{pol}] {i + 1}/{len(trace.test)} {r.kind:9s} hit={s.hit} e2e={row['e2e']:.2f}s "
                          + " ".join(f"{k}={v:.3f}" for k, v in scores.items()))
+            if hasattr(eng, "flush"):
+                eng.flush()
             st = eng.store.stats()
             done[(pol, "bytes")] = {"bytes_per_entry": st.bytes / max(st.count, 1)}
     if not report:

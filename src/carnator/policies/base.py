@@ -26,6 +26,8 @@ class ModelInfo:
 
     identity: str
     family: str
+    #: the engine's admission gate (``{"judge": identity, "rule": {...}}``), None when entries are not judged
+    admission: dict | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ the policy then decides over plain data:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,9 @@ from ..attention.state import AttentionRecord, SparseConfig
 from ..errors import CarnatorError
 from ..plan import Decision, DecisionInputs, Phase, ProbeSpec, RegionSpec, ReusePlan
 from ..reuse import CompatConfig, ScopeConfig, Thresholds, explain, first_compatible, noun_diff
+from ..reuse.compat import NounDiff
 from ..signature import EarlySignature, RegionConfig
+from ..signature.content import content_change, content_distance
 from .base import Entry, ModelInfo, Policy, captured_masks, register_policy
 
 log = logging.getLogger("carnator")
@@ -59,6 +62,19 @@ class CarnatorConfig:
         ``clip:<hash>``, what ``carnator calibrate --judge`` records); None = any. Not in the paper.
     prefetch: read the first recalled candidate's entry in a background thread while the probe runs, so a hit on it
         does not wait for the disk (default on; not in the paper).
+    admitted_only: reuse only entries whose own output passed the engine's admission judge
+        (``EngineConfig.admission_judge``; entries the engine did not judge are allowed). A re-roll is unsafe mostly
+        when the clip it resumes from was itself a failed generation, which no query-side evidence can see (issue 26,
+        lever 1). Default on; not in the paper.
+    own_sample: how much of the request's own sample a hit keeps (issue 26, lever 6; not in the paper). 0: resume
+        the source's latent trajectory as it is (the paper; with the Active region covering the frame, a re-roll hit
+        then returns the source's clip). 1: at the resume step, re-noise the source's final (clean) latent with the
+        request's own seed noise (exact flow-matching state ``(1 - s) x0 + s e``), so a new seed gives a new sample
+        that keeps the source's layout. Between: the noise is ``a e_request + sqrt(1 - a^2) e_source`` (``e_source``
+        the noise implied by the source's latent at that step). Default 0.
+    probe: "auto" (default) skips the dense probe when the thresholds read no signature dimension (a content-only
+        file): the request then runs its steps as dense does, and a hit resumes without probe steps. "always": the paper's
+        probe on every request (its signature is then stored for later requests whose thresholds read it).
     """
 
     top_k: int = 10
@@ -75,8 +91,15 @@ class CarnatorConfig:
     thresholds: str | None = None
     judge: str | None = None
     prefetch: bool = True
+    admitted_only: bool = True
+    own_sample: float = 0.0
+    probe: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.probe not in ("auto", "always"):
+            raise ValueError(f'CarnatorConfig.probe must be "auto" or "always", got {self.probe!r}')
+        if not 0.0 <= float(self.own_sample) <= 1.0:
+            raise ValueError(f"CarnatorConfig.own_sample must lie in [0, 1], got {self.own_sample!r}")
         if not isinstance(self.modifiers, int) or self.modifiers < 0:
             raise ValueError(f"CarnatorConfig.modifiers must be an integer >= 0, got {self.modifiers!r}")
         if self.tested is not None and self.tested < 1:
@@ -128,7 +151,23 @@ class CarnatorPolicy(Policy):
         self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading(), judge=self.cfg.judge)
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
-        self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'})"
+        needs = meta.get("admission")
+        why = ""
+        if self.certified and needs:
+            # The certificate holds for sources that passed this gate; without it (or with a looser one) it does not.
+            have = model.admission
+            looser = have is None or not self.cfg.admitted_only or have.get("judge") != needs.get("judge") or any(
+                k not in have.get("rule", {}) for k in needs.get("rule", {}))
+            if not looser:
+                for k, bar in needs.get("rule", {}).items():
+                    mine = have["rule"][k]
+                    higher = needs.get("directions", {}).get(k, 1) > 0
+                    looser = looser or (mine < bar if higher else mine > bar)
+            if looser:
+                self.certified = False
+                why = f"; certified only with the admission gate {needs}, which this engine does not apply"
+                log.warning("thresholds %s%s", path, why)
+        self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'}{why})"
 
     # ---- what the engine runs ----------------------------------------------------------------------------
     def recall_k(self) -> int:
@@ -149,14 +188,41 @@ class CarnatorPolicy(Policy):
         # A reuse resumes at r and blends with the source's latents after every later step: traj.{r-1} .. traj.{n-1}.
         return set(range(self.resume_at() - 1, num_steps))
 
-    def candidates(self, inputs: DecisionInputs):
-        """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature, with their noun
-        diffs, in recall order."""
+    def uses_signature(self) -> bool:
+        """Whether the thresholds read any Early Signature dimension (else a content-only rule: no probe needed)."""
+        t = self.tau
+        return t.risk is not None or any(not math.isinf(getattr(t, k)) for k in ("context", "size", "shape", "color"))
+
+    def probe_needed(self, inputs: DecisionInputs) -> bool:
+        """Whether this request's probe can change the decision (``CarnatorConfig.probe``); the engine asks after
+        recall and skips the probe when not."""
+        if self.cfg.probe == "always":
+            return True
+        # With thresholds that read a signature the probe always runs: its signature is stored with the entry, and a
+        # later request's test needs it even when this request has no candidate.
+        return self.uses_signature()
+
+    def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None):
+        """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds
+        read one), with their noun diffs, in recall order."""
+        if need_signature is None:
+            need_signature = self.uses_signature()
         out = []
         for c in inputs.candidates:
-            diff = noun_diff(inputs.nouns, c.meta.extra.get("nouns", []))
-            if diff is not None and "signature" in c.meta.extra:
+            if self.cfg.admitted_only and c.meta.extra.get("admitted") is False:
+                continue  # its own output failed the admission judge: never a source
+            theirs = c.meta.extra.get("nouns", [])
+            diff = noun_diff(inputs.nouns, theirs)
+            if diff is None and inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) == 0:
+                # the same content in other words ("ball" for "circle"): the noun filter's synonyms
+                diff = NounDiff(shared=tuple(sorted(set(inputs.nouns) & set(theirs))), substituted=None)
+            if diff is not None and ("signature" in c.meta.extra or not need_signature):
                 out.append((c, diff))
+        if inputs.content is not None and not math.isinf(self.tau.content):
+            # A candidate that asks what the request asks is tested before one that does not (recall order otherwise):
+            # the content test reads only the two prompts, so this adds no chance for a signature test to err, and a
+            # rewording's nearest sentence is often another scene's.
+            out.sort(key=lambda cd: content_distance(inputs.content, cd[0].meta.extra.get("content")) > self.tau.content)
         return out
 
     def prefetch(self, inputs: DecisionInputs):
@@ -164,6 +230,8 @@ class CarnatorPolicy(Policy):
         if not cands or not self.cfg.prefetch or 1.0 - cands[0][0].similarity > self.tau.text:
             return None  # its text distance alone already fails the test
         c = cands[0][0]
+        if inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) > self.tau.content:
+            return None  # it asks for something else: it fails the test
         r, n = self.resume_at(), inputs.num_steps
         names = [f"traj.{i}" for i in range(r - 1, n)] + [EVIDENCE_PREFIX + w for w in c.meta.extra.get("nouns", [])]
         if inputs.sparse is not None:
@@ -173,22 +241,34 @@ class CarnatorPolicy(Policy):
     # ---- decide and plan ---------------------------------------------------------------------------------
     def decide(self, inputs: DecisionInputs) -> Decision:
         sig = inputs.signature
-        if sig is None:
+        if sig is None and self.uses_signature():
+            if self.cfg.probe == "auto" and not self.probe_needed(inputs):
+                return Decision.miss("no cached request asks the same (decided before the probe)",
+                                     details={"candidates": len(inputs.candidates), "probe": "skipped"})
             return Decision.miss("no probe signature")
+        if sig is None:
+            sig = EarlySignature()   # a content-only rule reads no signature dimension
         cands = self.candidates(inputs)
         notes = {"candidates": len(cands), "signature": sig.to_dict()}
         if not cands:
             why = "no cached request passes the noun filter" if inputs.candidates else "nothing cached to reuse"
+            if self.cfg.admitted_only and any(c.meta.extra.get("admitted") is False for c in inputs.candidates):
+                why += " among those whose own clip passed the admission judge"
             return Decision.miss(why, details=notes)
         if self.resume_at() >= inputs.num_steps:
             return Decision.miss(f"the resume step {self.resume_at()} is not inside the {inputs.num_steps} steps", details=notes)
         tested = []
         for c, diff in cands[: self.cfg.tested]:
             try:
-                tested.append((c, diff, EarlySignature.from_dict(c.meta.extra["signature"])))
+                theirs = c.meta.extra.get("signature")
+                tested.append((c, diff, EarlySignature() if theirs is None and not self.uses_signature()
+                               else EarlySignature.from_dict(theirs)))
             except (ValueError, KeyError, TypeError):
                 continue
-        won = first_compatible(sig, [(s, diff, c.similarity) for c, diff, s in tested], self.tau, self.cfg.compat)
+        contents = [None if inputs.content is None else content_distance(inputs.content, c.meta.extra.get("content"))
+                    for c, _, _ in tested]
+        won = first_compatible(sig, [(s, diff, c.similarity, k) for (c, diff, s), k in zip(tested, contents)], self.tau,
+                               self.cfg.compat)
         results = won.tested
         notes["tested"] = [{"id": c.meta.id, "similarity": c.similarity, "discrepancies": d.to_dict(),
                             "risk": None if self.tau.risk is None else self.tau.risk.risk(d)}
@@ -197,14 +277,17 @@ class CarnatorPolicy(Policy):
             if not tested:
                 return Decision.miss("no tested candidate carries a readable signature", details=notes)
             c, _, _ = tested[0]
-            return Decision.miss(f"{c.meta.id[:8]} fails the compatibility test: {explain(results[0], self.tau)}", details=notes,
-                                 similarity=c.similarity, discrepancies=results[0])
+            change = "" if inputs.content is None else f" ({content_change(inputs.content, c.meta.extra.get('content'))})"
+            return Decision.miss(f"{c.meta.id[:8]} fails the compatibility test{change}: {explain(results[0], self.tau)}",
+                                 details=notes, similarity=c.similarity, discrepancies=results[0])
         c, diff, _ = tested[won.index]
         d = results[won.index]
         notes["discrepancies"] = {k: (None if v is None else float(v)) for k, v in vars(d).items()}
         return Decision(
             reuse=True, source_id=c.meta.id, similarity=c.similarity, discrepancies=d, certified=self.certified,
-            reason=f"compatible with {c.meta.id[:8]}: {explain(d, self.tau)}",
+            reason=f"compatible with {c.meta.id[:8]}"
+                   + ("" if inputs.content is None else f" ({content_change(inputs.content, c.meta.extra.get('content'))})")
+                   + f": {explain(d, self.tau)}",
             details={**notes, "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
         )
 
@@ -226,10 +309,14 @@ class CarnatorPolicy(Policy):
             source = [EVIDENCE_PREFIX + w for w in source_nouns]
         if decision.regions is not None:  # an injected decision's own target (a replay)
             masks = list(decision.regions) if sub is None else [decision.regions[0]]
-        region = RegionSpec(scope=cfg.scope, masks=tuple(m for m in masks if m is not None), source_masks=tuple(source))
+        masks = tuple(m for m in masks if m is not None)
+        # no probe ran (a content-only rule): no region was read, and the whole frame is recomputed (Active 1.0)
+        region = RegionSpec(scope=cfg.scope, masks=masks, source_masks=tuple(source) if masks else (),
+                            everywhere_if_empty=inputs.signature is None)
         masks_apply = inputs.sparse is not None
         return ReusePlan(
             hit=True, source_id=decision.source_id, resume_step=r, init_latent=f"traj.{r - 1}",
+            own_sample=float(cfg.own_sample), clean_latent=f"traj.{n - 1}" if cfg.own_sample > 0 else None,
             phases=(Phase(r, n, blend=True, window=True, masks=masks_apply),), region=region, window_layers=cfg.window,
             mask_prefix=MASK_PREFIX if masks_apply else None, capture=inputs.sparse,
         )

@@ -12,6 +12,7 @@ from .calibrate import (
     select_thresholds,
     separation,
     split_pairs,
+    stratified_certification,
 )
 from .compat import (
     THRESHOLDS_FORMAT_VERSION,
@@ -63,5 +64,6 @@ __all__ = [
     "shape_distance",
     "smoothstep",
     "split_pairs",
+    "stratified_certification",
     "upsample_tokens",
 ]

@@ -202,9 +202,33 @@ def evaluate(pairs: Sequence[CalibrationPair], tau: Thresholds) -> tuple[int, in
     vals, unsafe = _matrix(pairs)
     t = np.array([getattr(tau, k) for k in DIMENSIONS])
     acc = np.all(vals <= t[None, :], axis=1)  # NaN compares False: rejected
+    if not math.isinf(tau.content):
+        acc &= np.array([p.d.content is None or p.d.content <= tau.content for p in pairs], dtype=bool)
     if tau.risk is not None:
         acc &= np.array([tau.risk.accepts(p.d) for p in pairs], dtype=bool)
     return int(acc.sum()), int((acc & unsafe).sum())
+
+
+def stratified_certification(pairs: Sequence[CalibrationPair], kinds: Sequence[str], tau: Thresholds, *,
+                             delta: float = 0.05, confidence: float = 0.90) -> dict[str, dict[str, Any]]:
+    """The certificate per kind of change (issue 26): for each kind, the pairs of that kind, how many ``tau`` accepts,
+    how many of those are unsafe, the one-sided Clopper-Pearson upper bound of the unsafe rate at ``confidence``, and
+    ``certified`` (bound <= ``delta``). A kind ``tau`` accepts nothing of is reported with ``certified`` None: no hit
+    of that kind is served, so there is no rate to bound. A bound over a mix says nothing about the kind a user
+    sends; this says it per kind. Also an ``"all"`` row over every pair."""
+    if len(pairs) != len(kinds):
+        raise ValueError(f"{len(pairs)} pairs but {len(kinds)} kinds")
+    groups: dict[str, list[CalibrationPair]] = {}
+    for p, k in zip(pairs, kinds):
+        groups.setdefault(str(k), []).append(p)
+    groups["all"] = list(pairs)
+    out: dict[str, dict[str, Any]] = {}
+    for k, ps in groups.items():
+        acc, bad = evaluate(ps, tau)
+        bound = clopper_pearson_upper(bad, acc, confidence) if acc else None
+        out[k] = {"pairs": len(ps), "accepted": acc, "unsafe": bad, "unsafe_rate": bad / acc if acc else None,
+                  "bound": bound, "certified": None if bound is None else bool(bound <= delta)}
+    return out
 
 
 def separation(pairs: Sequence[CalibrationPair]) -> dict[str, dict[str, Any]]:

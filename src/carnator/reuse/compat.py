@@ -135,6 +135,10 @@ class Discrepancies:
     shape: float | None = None
     color: float | None = None
     text: float | None = None
+    content: float | None = None
+    """Beyond the paper (issue 26): how many content items (objects with their attributes, the place) only one of the
+    two prompts asks for (:func:`carnator.signature.content.content_distance`; 0: a rewording or a re-roll); ``None``
+    when not measured, ``inf`` when the candidate has no recorded content."""
 
     def to_dict(self) -> dict[str, float | None]:
         """JSON-able dict (``inf`` written as the string ``"inf"``)."""
@@ -146,7 +150,7 @@ class Discrepancies:
             return None if v is None else float(v)
 
         return cls(context=float(d["context"]), size=conv(d.get("size")), shape=conv(d.get("shape")), color=conv(d.get("color")),
-                   text=conv(d.get("text")))
+                   text=conv(d.get("text")), content=conv(d.get("content")))
 
 
 def _area_weights(n_in: int, n_out: int) -> np.ndarray:
@@ -202,22 +206,24 @@ def discrepancies(
     diff: NounDiff,
     cfg: CompatConfig = CompatConfig(),
     similarity: float | None = None,
+    content: float | None = None,
 ) -> Discrepancies:
     """The discrepancies of query signature ``sig_q`` against candidate signature ``sig_j``.
 
     ``diff`` is :func:`noun_diff` of the two noun lists (query first); ``similarity`` the recall cosine of the
-    two prompts (``d_text = max(0, 1 - similarity)``; ``None``: not measured).
+    two prompts (``d_text = max(0, 1 - similarity)``; ``None``: not measured); ``content`` the content distance of the
+    two prompts (passed through; ``None``: not measured).
     """
     text = None if similarity is None else max(0.0, 1.0 - float(similarity))
     context = 0.0
     for noun in diff.shared:
         context = max(context, _colour_distance(sig_q.get(noun), sig_j.get(noun)))
     if diff.substituted is None:
-        return Discrepancies(context=context, text=text)
+        return Discrepancies(context=context, text=text, content=content)
     oq, oj = diff.substituted
     a, b = sig_q.get(oq), sig_j.get(oj)
     if a is None or b is None:
-        return Discrepancies(context=context, size=math.inf, shape=math.inf, color=math.inf, text=text)
+        return Discrepancies(context=context, size=math.inf, shape=math.inf, color=math.inf, text=text, content=content)
     size = abs(math.log(max(a.area, cfg.area_floor) / max(b.area, cfg.area_floor)))
     return Discrepancies(
         context=context,
@@ -225,6 +231,7 @@ def discrepancies(
         shape=shape_distance(a.mask_tail, b.mask_tail, cfg),
         color=_colour_distance(a, b),
         text=text,
+        content=content,
     )
 
 
@@ -322,13 +329,16 @@ class Thresholds:
     shape: float = 1.00
     color: float = 7.58
     text: float = math.inf
+    content: float = math.inf
+    """Beyond the paper (issue 26): the most content items the two prompts may differ in (0: only rewordings and
+    re-rolls; ``inf``: off, as in files written before it existed)."""
     risk: RiskScore | None = None
     """A learned decision rule applied on top of the per-dimension thresholds (None: the paper's box alone)."""
 
     def __post_init__(self) -> None:
         if self.risk is not None and not isinstance(self.risk, RiskScore):
             raise ValueError(f"Thresholds.risk must be a RiskScore or None, got {type(self.risk).__name__}")
-        for k in DIMENSIONS:
+        for k in (*DIMENSIONS, "content"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or math.isnan(v) or v == -math.inf:
                 raise ValueError(f"threshold {k} must be a finite number or +inf (off), got {v!r}")
@@ -336,6 +346,8 @@ class Thresholds:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict; a switched-off (``inf``) threshold is written as ``null``; ``risk`` only when set."""
         out: dict[str, Any] = {k: (None if math.isinf(getattr(self, k)) else float(getattr(self, k))) for k in DIMENSIONS}
+        if not math.isinf(self.content):
+            out["content"] = float(self.content)
         if self.risk is not None:
             out["risk"] = self.risk.to_dict()
         return out
@@ -343,7 +355,7 @@ class Thresholds:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
         risk = RiskScore.from_dict(d["risk"]) if d.get("risk") is not None else None
-        return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in DIMENSIONS}, risk=risk)
+        return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in (*DIMENSIONS, "content")}, risk=risk)
 
     def save(self, path: str | os.PathLike[str], *, model_id: str, meta: Mapping[str, Any] | None = None,
              reading: Mapping[str, Any] | None = None) -> None:
@@ -442,7 +454,7 @@ def compatible(d: Discrepancies, tau: Thresholds) -> bool:
     """True iff every applicable discrepancy is ``<= `` its threshold (``None`` = not applicable;
     NaN always fails; an ``inf`` threshold accepts anything, even ``inf``) and, when ``tau.risk`` is set, its
     risk score accepts the pair."""
-    for k in DIMENSIONS:
+    for k in (*DIMENSIONS, "content"):
         v = getattr(d, k)
         if v is None:
             continue
@@ -468,12 +480,14 @@ def first_compatible(
 ) -> CompatResult:
     """The first compatible candidate in the given (recall) order (PAPER step 5); the carnator policy's decision.
 
-    Each candidate is ``(signature, noun diff[, recall similarity])``; without a similarity ``d_text`` is unmeasured.
+    Each candidate is ``(signature, noun diff[, recall similarity[, content distance]])``; without a similarity ``d_text``
+    is unmeasured, without a content distance ``d_content``.
     """
     tested = []
     for i, cand in enumerate(candidates):
         sig_j, diff, *rest = cand
-        d = discrepancies(sig_q, sig_j, diff, cfg, similarity=rest[0] if rest else None)
+        d = discrepancies(sig_q, sig_j, diff, cfg, similarity=rest[0] if rest else None,
+                          content=rest[1] if len(rest) > 1 else None)
         tested.append(d)
         if compatible(d, tau):
             return CompatResult(i, tuple(tested))
@@ -488,7 +502,7 @@ def explain(d: Discrepancies, tau: Thresholds) -> str:
         return "inf" if math.isinf(v) else f"{v:.2f}"
 
     parts = []
-    for k in DIMENSIONS:
+    for k in ("content", *DIMENSIONS):
         v, t = getattr(d, k), getattr(tau, k)
         if v is None:
             continue

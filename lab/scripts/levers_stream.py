@@ -1,0 +1,234 @@
+"""Issue 26: the held-out W = 1,000 / S = 300 stream (lab trace seed 0, held-out split; calibration used the train
+split) for dense and carnator variants that differ only in how they decide, sharing one warm cache.
+
+The warm cache is filled once (W requests generated as misses by the carnator policy: probe, signature, latents from
+the resume step on; the admission judge scores every clip) by ``--jobs`` processes; each variant then streams the S
+test requests, in order, in one process of its own, over its own copy of that cache (blobs hard-linked, the index
+copied), so every variant starts from the same W completed requests. Dense streams the same requests without a cache.
+Optionally (``--sources``) part A of ``levers_sources.py`` (the judge's scores of the calibration sources' own clips)
+runs beside the warm fill. Rows go to ``OUT/requests.jsonl`` as they finish; ``OUT/summary.json`` at the end.
+
+Variants (``--variants``, comma-separated):
+  content   the content rule (d_content = 0, signature thresholds off), every entry a source (no gate)
+  gate      the content rule, and only sources whose own clip passed the admission gate (lever 1 on top of lever 3)
+  fast      ``gate`` with the write-behind store (lever 5)
+  own       ``gate`` with ``own_sample`` 1 (lever 6)
+  shipped   the shipped thresholds file as it is on this tree
+
+    python3 lab/scripts/levers_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from levers_sources import register_shapes  # noqa: E402
+
+VARIANTS = {
+    "content": ({}, {"admitted_only": False}),
+    "gate": ({}, {"admitted_only": True}),
+    "fast": ({"write_behind": True}, {"admitted_only": True}),
+    "own": ({}, {"admitted_only": True, "own_sample": 1.0}),
+    "shipped": ({}, {"admitted_only": False, "thresholds": None}),
+}
+
+
+def engine(cache, device, *, write_behind=False, **carnator):
+    from carnator import Carnator
+    from carnator.engine import EngineConfig
+
+    register_shapes()
+    cfg = EngineConfig(cuda_graphs=device.startswith("cuda"), latent_dtype="float16", write_behind=write_behind,
+                       admission_judge="shapes", policy_options={"carnator": carnator} if carnator else {})
+    return Carnator.from_pretrained("embedded", str(cache), device=device, config=cfg)
+
+
+def fill(args):
+    k, n, trace_path, cache, device = args
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from carnator.bench.traces import Trace
+
+    trace = Trace.load(trace_path)
+    eng = engine(cache, device)
+    for r in trace.warm[k::n]:
+        eng.generate(r.prompt, seed=r.seed, policy="carnator", cache="off")
+    return k
+
+
+def clone(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == "blobs":
+            shutil.copytree(f, dst / "blobs", copy_function=os.link)
+        elif f.is_dir():
+            shutil.copytree(f, dst / f.name)
+        elif f.suffix == ".sqlite":
+            with sqlite3.connect(f) as a, sqlite3.connect(dst / f.name) as b:
+                a.backup(b)
+        elif not f.name.startswith("bank.sqlite-"):
+            shutil.copy2(f, dst / f.name)
+
+
+def stream(name, trace_path, cache, device, tau_path, out_path):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from carnator.bench.traces import Trace
+    from carnator.judges import get_judge
+    from carnator.signature.content import change_kind
+
+    trace = Trace.load(trace_path)
+    if name == "dense":
+        eng, policy = engine(cache, device), "dense"
+    else:
+        ecfg, pcfg = VARIANTS[name]
+        pcfg = dict(pcfg)
+        if "thresholds" not in pcfg:
+            pcfg["thresholds"] = str(tau_path)
+        elif pcfg["thresholds"] is None:
+            del pcfg["thresholds"]
+        eng, policy = engine(cache, device, **ecfg, **pcfg), "carnator"
+    judge = get_judge("shapes")
+    with open(out_path, "a") as log:
+        for i, r in enumerate(trace.test):
+            res = eng.generate(r.prompt, seed=r.seed, policy=policy, store=name != "dense")
+            s = res.stats
+            row = {"policy": name, "i": i, "kind": r.kind, "hit": bool(s.hit), "exact": bool(s.exact_hit),
+                   "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0),
+                   "timings": {k: float(v) for k, v in s.timings.items()}, **judge.score(res.frames, r.prompt),
+                   "reason": s.reason, "admitted": s.notes.get("admitted")}
+            base = trace.warm[r.source].prompt if getattr(r, "source", None) is not None else None
+            src = eng.store.get(s.source_id) if s.hit and s.source_id else None
+            if src is not None:
+                row["source_prompt"] = src.prompt
+                try:  # how far the hit is from the clip it reused (0: the cached clip itself)
+                    v = eng.store.load(s.source_id, ["video"])["video"].numpy().astype(np.float32)
+                    row["vs_source"] = float(np.abs(res.frames.astype(np.float32) - v).mean())
+                except Exception:  # noqa: BLE001 - a diagnostic only
+                    pass
+                row["change"] = change_kind(r.prompt, src.prompt, eng.content(r.prompt), eng.content(src.prompt))
+            elif base is not None:
+                row["change"] = change_kind(r.prompt, base, eng.content(r.prompt), eng.content(base))
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+    eng.flush()
+
+
+def summarize(rows, names, rule):
+    dense = {r["i"]: r for r in rows if r["policy"] == "dense"}
+    out = {}
+    for name in names:
+        rs = [r for r in rows if r["policy"] == name and r["i"] in dense]
+        if not rs:
+            continue
+        hits = [r for r in rs if r["hit"]]
+        unsafe = [r for r in hits if not rule.acceptable(r, dense[r["i"]])]
+        by = {}
+        for key in ("kind", "change"):
+            t = {}
+            for r in rs:
+                k = str(r.get(key))
+                e = t.setdefault(k, {"requests": 0, "hits": 0, "unsafe": 0})
+                e["requests"] += 1
+                e["hits"] += int(r["hit"])
+                e["unsafe"] += int(r["hit"] and not rule.acceptable(r, dense[r["i"]]))
+            by[key] = t
+        sd = sum(dense[r["i"]]["e2e"] for r in rs)
+        out[name] = {
+            "requests": len(rs), "hit_rate": len(hits) / len(rs), "hits": len(hits), "unsafe_hits": len(unsafe),
+            "workload_e2e_speedup": sd / sum(r["e2e"] for r in rs),
+            "workload_dit_speedup": sum(dense[r["i"]]["dit"] for r in rs) / max(sum(r["dit"] for r in rs), 1e-9),
+            "hit_e2e_speedup": (sum(dense[r["i"]]["e2e"] for r in hits) / sum(r["e2e"] for r in hits)) if hits else None,
+            "miss_e2e_over_dense": (sum(r["e2e"] for r in rs if not r["hit"]) / max(sum(dense[r["i"]]["e2e"] for r in rs if not r["hit"]), 1e-9)),
+            "fidelity_all": float(np.mean([r["fidelity"] for r in rs])),
+            "fidelity_hits": float(np.mean([r["fidelity"] for r in hits])) if hits else None,
+            "dense_fidelity_on_hits": float(np.mean([dense[r["i"]]["fidelity"] for r in hits])) if hits else None,
+            "mean_timings": {k: float(np.mean([r["timings"].get(k, 0.0) for r in rs])) for k in
+                             ("recall", "probe", "signature", "decision", "dit", "decode", "store", "admission_judge", "total")},
+            "by": by,
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--warm", type=int, default=1000)
+    ap.add_argument("--test", type=int, default=300)
+    ap.add_argument("--jobs", type=int, default=12)
+    ap.add_argument("--variants", default="content,gate,fast")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--root", type=Path, default=Path("/tmp/levers-stream"))
+    ap.add_argument("--sources", type=Path, help="run levers_sources.py part A on this pair list beside the warm fill")
+    ap.add_argument("--sources-jobs", type=int, default=4)
+    ap.add_argument("--own-n", type=int, default=0, help="levers_sources.py part B's prompts, beside the warm fill")
+    ap.add_argument("--summarize-only", action="store_true")
+    args = ap.parse_args()
+    from carnator.judges import QualityRule
+
+    rule = QualityRule({"fidelity": 0.25, "artifact": 0.1}, {"fidelity": 1, "artifact": -1})
+    names = ["dense", *args.variants.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / "requests.jsonl"
+    if not args.summarize_only:
+        from carnator.bench.traces import Trace  # noqa: F401
+        from carnator.reuse import Thresholds
+        from carnator_lab.traces import world_trace
+
+        shutil.rmtree(args.root, ignore_errors=True)
+        args.root.mkdir(parents=True)
+        trace_path = args.root / "trace.json"
+        world_trace(args.warm, args.test, seed=0).save(trace_path)
+        t0 = time.time()
+        side = None
+        if args.sources is not None:
+            side = subprocess.Popen([sys.executable, str(HERE / "levers_sources.py"), "--pairs", str(args.sources), "--out",
+                                     str(args.out), "--jobs", str(args.sources_jobs), "--own-n", str(args.own_n), "--device", args.device,
+                                     "--root", str(args.root / "sources"), "--same-content"])
+        warm = args.root / "warm"
+        probe = engine(args.root / "probe", args.device)
+        tau_path = args.root / "content.json"
+        Thresholds(math.inf, math.inf, math.inf, math.inf, content=0.0).save(
+            tau_path, model_id=probe.model_identity, reading=probe.policy("carnator").reading(), meta={"certified": False})
+        del probe
+        ctx = mp.get_context("spawn")
+        # one process writes the index first (creates the cache), then the rest join
+        with ctx.Pool(args.jobs) as pool:
+            list(pool.imap_unordered(fill, [(k, args.jobs, str(trace_path), str(warm), args.device) for k in range(args.jobs)]))
+        print(f"warm cache filled in {time.time() - t0:.0f}s", flush=True)
+        procs = []
+        for name in names:
+            cache = args.root / f"c-{name}"
+            if name != "dense":
+                clone(warm, cache)
+            p = ctx.Process(target=stream, args=(name, str(trace_path), str(cache), args.device, str(tau_path), str(log_path)))
+            p.start()
+            procs.append(p)
+        for p in procs:
+            p.join()
+        print(f"test streams run in {time.time() - t0:.0f}s", flush=True)
+        if side is not None:
+            side.wait()
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    summary = summarize(rows, names, rule)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for name, m in summary.items():
+        print(f"{name:8s} n={m['requests']} hits={m['hits']} ({100 * m['hit_rate']:.0f}%) unsafe={m['unsafe_hits']} "
+              f"workload x{m['workload_e2e_speedup']:.2f} hit x{(m['hit_e2e_speedup'] or 0):.2f} miss/dense {m['miss_e2e_over_dense']:.3f} "
+              f"fid all {m['fidelity_all']:.3f} hits {m['fidelity_hits'] or 0:.3f} (dense {m['dense_fidelity_on_hits'] or 0:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Issue 26: content evidence, the admission gate, own sample and per-kind certification (hand-computed cases)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from carnator import Carnator, EngineConfig
+from carnator.embedded import HERE
+from carnator.judges import register_judge
+from carnator.reuse import CalibrationPair, Discrepancies, Thresholds, stratified_certification
+from carnator.signature.content import LexiconContent, change_kind, content_change, content_distance, heuristic_content
+from carnator.testing import hashed_embedder
+
+READ = LexiconContent.from_file(HERE / "lexicon.json")
+SRC = "a small red ball moving left on grass"
+
+
+@pytest.mark.parametrize("other, kind, distance", [
+    ("footage of a small red ball moving left on grass, 4k", "rewording", 0),
+    ("a little red circle sliding to the left on a grassy field, cinematic", "rewording", 0),   # synonyms
+    ("a small red ball moving left on grass", "re-roll", 0),
+    ("a small red ball moving right on grass", "motion", 2),
+    ("a small blue ball moving left on grass", "colour", 2),
+    ("a big red ball moving left on grass", "size", 2),
+    ("a small red box moving left on grass", "object", 2),
+    ("a small red ball moving left in the snow", "place", 2),
+    ("a small red ball moving left and a big blue box rising on grass", "count", 1),
+])
+def test_content_reads_what_a_caption_asks(other, kind, distance):
+    assert content_distance(READ(other), READ(SRC)) == distance
+    assert change_kind(other, SRC, READ(other), READ(SRC)) == kind
+
+
+def test_content_change_names_the_attribute_and_unknown_content_is_infinitely_far():
+    assert content_change(READ("a small red ball moving right on grass"), READ(SRC)) == "motion left -> right"
+    assert content_change(READ("footage of " + SRC), READ(SRC)) == "same content"
+    assert content_distance(READ(SRC), None) == math.inf
+
+
+def test_heuristic_content_drops_style_and_framing_words_only():
+    a = heuristic_content("A dog running on the beach")
+    assert heuristic_content("cinematic footage of a dog running on the beach, 4k, high quality") == a
+    assert heuristic_content("A cat running on the beach") != a
+
+
+def test_stratified_certification_bounds_each_kind_alone():
+    ok = Discrepancies(context=0.0, content=0.0)
+    edit = Discrepancies(context=0.0, content=2.0)
+    pairs = [CalibrationPair(ok, True)] * 50 + [CalibrationPair(ok, True)] * 9 + [CalibrationPair(ok, False)] \
+        + [CalibrationPair(edit, False)] * 10
+    kinds = ["re-roll"] * 50 + ["rewording"] * 10 + ["motion"] * 10
+    tau = Thresholds(math.inf, math.inf, math.inf, math.inf, content=0.0)
+    t = stratified_certification(pairs, kinds, tau)
+    assert t["re-roll"]["accepted"] == 50 and t["re-roll"]["unsafe"] == 0
+    assert t["re-roll"]["bound"] == pytest.approx(1 - 0.1 ** (1 / 50)) and t["re-roll"]["certified"]   # 4.5 %
+    assert t["rewording"]["accepted"] == 10 and t["rewording"]["unsafe"] == 1 and not t["rewording"]["certified"]
+    assert t["motion"]["accepted"] == 0 and t["motion"]["certified"] is None
+    # the mix: 60 accepted, 1 unsafe; its bound (6.4 %) hides nothing here, but the rewording row is what fails
+    assert t["all"]["accepted"] == 60 and t["all"]["unsafe"] == 1
+
+
+def test_own_sample_latent_is_the_flow_matching_state_through_the_source_clean_latent():
+    from carnator.denoise import own_sample_latent
+
+    class Sched:
+        sigmas = torch.tensor([1.0, 0.6, 0.25, 0.0])
+
+    class State:
+        scheduler = Sched()
+        latents = torch.zeros(1, 2, 3)
+
+    e_req = torch.randn(1, 2, 3, generator=torch.Generator().manual_seed(1))
+
+    class Adapter:
+        def make_generator(self, req):
+            return None
+
+        def prepare_latents(self, req, gen):
+            return e_req.clone()
+
+    x0, e_src = torch.randn(1, 2, 3), torch.randn(1, 2, 3)
+    z_src = 0.75 * x0 + 0.25 * e_src                    # the source's latent entering step 2 (sigma 0.25)
+    same = own_sample_latent(Adapter(), State(), None, z_src, x0, 2, 0.0)
+    assert torch.allclose(same, z_src, atol=1e-6)
+    own = own_sample_latent(Adapter(), State(), None, z_src, x0, 2, 1.0)
+    assert torch.allclose(own, 0.75 * x0 + 0.25 * e_req, atol=1e-6)
+    half = own_sample_latent(Adapter(), State(), None, z_src, x0, 2, 0.6)
+    assert torch.allclose(half, 0.75 * x0 + 0.25 * (0.6 * e_req + 0.8 * e_src), atol=1e-6)
+
+
+# ---- end to end on the embedded model (8 steps, resume at 5; seeds other than calibration's) ----------------------
+
+STEPS, RESUME = 8, 5
+
+
+class _Judge:
+    name, identity, directions = "fixed", "fixed", {"fidelity": 1, "artifact": -1}
+
+    def __init__(self, fidelity):
+        self.fidelity = fidelity
+
+    def score(self, frames, prompt, reference=None):
+        return {"fidelity": self.fidelity, "artifact": 0.0}
+
+
+register_judge("test-pass", lambda arg: _Judge(1.0))
+register_judge("test-fail", lambda arg: _Judge(0.5))
+
+
+def _engine(tmp_path, judge="test-pass", **opts):
+    eng0 = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c0", device="cpu", embedder=hashed_embedder(64))
+    path = tmp_path / "content.json"
+    Thresholds(math.inf, math.inf, math.inf, math.inf, content=0.0).save(
+        path, model_id=eng0.model_identity, reading=eng0.policy("carnator").reading())
+    cfg = EngineConfig(admission_judge=judge,
+                       policy_options={"carnator": {"resume_step": RESUME, "thresholds": str(path), **opts}})
+    return Carnator(eng0.pipe, tmp_path / "cache", config=cfg, embedder=hashed_embedder(64), adapter=eng0.adapter)
+
+
+def test_rewordings_and_rerolls_hit_edits_miss_with_the_reason(tmp_path):
+    eng = _engine(tmp_path)
+    a = eng.generate(SRC, seed=101, num_inference_steps=STEPS)
+    assert not a.stats.hit and eng.store.get(a.stats.entry_id).extra["admitted"] is True
+    for prompt, seed in (("footage of a little red circle sliding to the left on a grassy field, 4k", 102), (SRC, 103)):
+        r = eng.generate(prompt, seed=seed, num_inference_steps=STEPS, store=False)
+        assert r.stats.hit and r.stats.source_id == a.stats.entry_id and "same content" in r.stats.reason
+        assert r.stats.dit_forwards == 2 * (STEPS - RESUME)   # a content-only rule needs no probe
+    for prompt, change in (("a small red ball moving right on grass", "motion left -> right"),
+                           ("a small red ball moving left in the snow", "place grass -> snow"),
+                           ("a small blue ball moving left on grass", "color red -> blue")):
+        r = eng.generate(prompt, seed=104, num_inference_steps=STEPS, store=False)
+        assert not r.stats.hit, prompt
+        assert r.stats.dit_forwards == 2 * STEPS
+
+
+def test_a_source_that_fails_the_admission_judge_is_never_reused(tmp_path):
+    eng = _engine(tmp_path, judge="test-fail")
+    a = eng.generate(SRC, seed=105, num_inference_steps=STEPS)
+    assert eng.store.get(a.stats.entry_id).extra["admitted"] is False
+    r = eng.generate(SRC, seed=106, num_inference_steps=STEPS, store=False)
+    assert not r.stats.hit
+    # the same entry is a source when the policy does not ask for admission
+    eng2 = _engine(tmp_path / "b", judge="test-fail", admitted_only=False)
+    eng2.generate(SRC, seed=105, num_inference_steps=STEPS)
+    assert eng2.generate(SRC, seed=106, num_inference_steps=STEPS, store=False).stats.hit
+
+
+def test_own_sample_gives_a_reroll_its_own_clip(tmp_path):
+    same = _engine(tmp_path / "s")
+    own = _engine(tmp_path / "o", own_sample=1.0)
+    src = [e.generate(SRC, seed=107, num_inference_steps=STEPS).frames.astype(np.float32) for e in (same, own)]
+    assert np.array_equal(src[0], src[1])
+    a = same.generate(SRC, seed=108, num_inference_steps=STEPS, store=False)
+    b = own.generate(SRC, seed=108, num_inference_steps=STEPS, store=False)
+    assert a.stats.hit and b.stats.hit
+    assert np.abs(a.frames - src[0]).mean() < np.abs(b.frames - src[0]).mean()
