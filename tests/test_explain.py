@@ -58,8 +58,11 @@ def test_a_miss_names_the_candidate_refused_and_why(stream):
     assert why.decision == "miss" and k == 2 and why.tested_id in (first.stats.entry_id, reroll.stats.entry_id)
     risk, threshold = why.risk
     assert risk > threshold  # the policy refused it: the recomputed risk agrees
-    # the same nouns (ball, grass), none substituted: size, shape and colour do not apply (Discrepancies)
-    assert {c.name for c in why.checks} == {"context", "text"}
+    # the same nouns (ball, grass), none substituted: size, shape and colour do not apply (Discrepancies); the
+    # content check (what the prompts ask: one ball's colour differs, so one item on each side) refuses it too
+    checks = {c.name: c for c in why.checks}
+    assert set(checks) == {"content", "context", "text"}
+    assert checks["content"].value == 2 and checks["content"].threshold == 0 and not checks["content"].passed
     assert why.reason.startswith(f"2 cached candidates with matching nouns; the first, entry {why.tested_id[:8]} (")
     assert f"failed the compatibility test: risk {risk:.3f} > {threshold:.3f} (" in why.reason
     assert why.reason.startswith(why.headline + ": risk ") and why.headline.endswith("failed the compatibility test")

@@ -116,8 +116,8 @@ def _engine(tmp_path, judge="test-pass", **opts):
     path = tmp_path / "content.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf, content=0.0).save(
         path, model_id=eng0.model_identity, reading=eng0.policy("carnator").reading())
-    cfg = EngineConfig(admission_judge=judge,
-                       policy_options={"carnator": {"resume_step": RESUME, "thresholds": str(path), **opts}})
+    cfg = EngineConfig(admission_judge=judge, policy_options={
+        "carnator": {"resume_step": RESUME, "thresholds": str(path), "probe": "auto", **opts}})
     return Carnator(eng0.pipe, tmp_path / "cache", config=cfg, embedder=hashed_embedder(64), adapter=eng0.adapter)
 
 

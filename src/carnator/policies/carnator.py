@@ -72,9 +72,10 @@ class CarnatorConfig:
         request's own seed noise (exact flow-matching state ``(1 - s) x0 + s e``), so a new seed gives a new sample
         that keeps the source's layout. Between: the noise is ``a e_request + sqrt(1 - a^2) e_source`` (``e_source``
         the noise implied by the source's latent at that step). Default 0.
-    probe: "auto" (default) skips the dense probe when the thresholds read no signature dimension (a content-only
-        file): the request then runs its steps as dense does, and a hit resumes without probe steps. "always": the paper's
-        probe on every request (its signature is then stored for later requests whose thresholds read it).
+    probe: "always" (default, the paper): the dense probe runs on every request, so every entry carries its
+        signature and evidence for later requests whatever their thresholds read. "auto" skips the probe when the
+        thresholds read no signature dimension (a content-only file): the request then runs its steps as dense does and
+        a hit resumes without probe steps, but its entry carries no signature or evidence (not in the paper).
     """
 
     top_k: int = 10
@@ -93,7 +94,7 @@ class CarnatorConfig:
     prefetch: bool = True
     admitted_only: bool = True
     own_sample: float = 0.0
-    probe: str = "auto"
+    probe: str = "always"
 
     def __post_init__(self) -> None:
         if self.probe not in ("auto", "always"):
