@@ -11,9 +11,10 @@ runs beside the warm fill. Rows go to ``OUT/requests.jsonl`` as they finish; ``O
 Variants (``--variants``, comma-separated):
   content   the content rule (d_content = 0, signature thresholds off), every entry a source (no gate)
   gate      the content rule, and only sources whose own clip passed the admission gate (lever 1 on top of lever 3)
-  fast      ``gate`` with the write-behind store (lever 5)
+  fast      ``gate`` with the write-behind store and the probe skipped (``probe`` "auto"; lever 5)
   own       ``gate`` with ``own_sample`` 1 (lever 6)
   shipped   the shipped thresholds file as it is on this tree
+  nirvana   the NIRVANA baseline (its entries are filled into the same warm cache beside carnator's)
 
     python3 lab/scripts/levers_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
 """
@@ -41,7 +42,7 @@ from levers_sources import register_shapes  # noqa: E402
 VARIANTS = {
     "content": ({}, {"admitted_only": False}),
     "gate": ({}, {"admitted_only": True}),
-    "fast": ({"write_behind": True}, {"admitted_only": True}),
+    "fast": ({"write_behind": True}, {"admitted_only": True, "probe": "auto"}),
     "own": ({}, {"admitted_only": True, "own_sample": 1.0}),
     "shipped": ({}, {"admitted_only": False, "thresholds": None}),
 }
@@ -58,14 +59,15 @@ def engine(cache, device, *, write_behind=False, **carnator):
 
 
 def fill(args):
-    k, n, trace_path, cache, device = args
+    k, n, trace_path, cache, device, policies = args
     os.environ["OMP_NUM_THREADS"] = "1"
     from carnator.bench.traces import Trace
 
     trace = Trace.load(trace_path)
     eng = engine(cache, device)
     for r in trace.warm[k::n]:
-        eng.generate(r.prompt, seed=r.seed, policy="carnator", cache="off")
+        for policy in policies:
+            eng.generate(r.prompt, seed=r.seed, policy=policy, cache="off")
     return k
 
 
@@ -83,15 +85,15 @@ def clone(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def stream(name, trace_path, cache, device, tau_path, out_path):
+def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.inf):
     os.environ["OMP_NUM_THREADS"] = "1"
     from carnator.bench.traces import Trace
     from carnator.judges import get_judge
     from carnator.signature.content import change_kind
 
     trace = Trace.load(trace_path)
-    if name == "dense":
-        eng, policy = engine(cache, device), "dense"
+    if name in ("dense", "nirvana"):
+        eng, policy = engine(cache, device), name
     else:
         ecfg, pcfg = VARIANTS[name]
         pcfg = dict(pcfg)
@@ -103,6 +105,8 @@ def stream(name, trace_path, cache, device, tau_path, out_path):
     judge = get_judge("shapes")
     with open(out_path, "a") as log:
         for i, r in enumerate(trace.test):
+            if time.time() > deadline:
+                break   # a cut run still has every variant's rows for a prefix of the same test order
             res = eng.generate(r.prompt, seed=r.seed, policy=policy, store=name != "dense")
             s = res.stats
             row = {"policy": name, "i": i, "kind": r.kind, "hit": bool(s.hit), "exact": bool(s.exact_hit),
@@ -175,6 +179,7 @@ def main() -> None:
     ap.add_argument("--sources-jobs", type=int, default=4)
     ap.add_argument("--own-n", type=int, default=0, help="levers_sources.py part B's prompts, beside the warm fill")
     ap.add_argument("--summarize-only", action="store_true")
+    ap.add_argument("--budget", type=float, default=math.inf, help="seconds from the start after which streams stop")
     args = ap.parse_args()
     from carnator.judges import QualityRule
 
@@ -206,14 +211,17 @@ def main() -> None:
         ctx = mp.get_context("spawn")
         # one process writes the index first (creates the cache), then the rest join
         with ctx.Pool(args.jobs) as pool:
-            list(pool.imap_unordered(fill, [(k, args.jobs, str(trace_path), str(warm), args.device) for k in range(args.jobs)]))
+            fills = ["carnator", "nirvana"] if "nirvana" in names else ["carnator"]
+            list(pool.imap_unordered(fill, [(k, args.jobs, str(trace_path), str(warm), args.device, fills)
+                                            for k in range(args.jobs)]))
         print(f"warm cache filled in {time.time() - t0:.0f}s", flush=True)
         procs = []
         for name in names:
             cache = args.root / f"c-{name}"
             if name != "dense":
                 clone(warm, cache)
-            p = ctx.Process(target=stream, args=(name, str(trace_path), str(cache), args.device, str(tau_path), str(log_path)))
+            p = ctx.Process(target=stream, args=(name, str(trace_path), str(cache), args.device, str(tau_path), str(log_path),
+                                                 t0 + args.budget))
             p.start()
             procs.append(p)
         for p in procs:
