@@ -196,6 +196,20 @@ def test_exact_hit_reads_only_the_video_and_a_step_only_its_tensor(store):
     assert counter.bytes_read <= os.path.getsize(_blob_path(store, entry)) + VID.nbytes
 
 
+def test_the_same_request_under_two_readings_keeps_both_entries(store):
+    """One cache used by two policies (a benchmark filling NIRVANA's entries beside carnator's): the second policy's
+    admission of the same request (same exact key, another compatibility key) used to replace the first's entry, so
+    the carnator policy found nothing to resume from. A re-admission under the same key still replaces."""
+    a = store.admit(_spec(exact_key="e", key="carnator-reading"))
+    b = store.admit(_spec(exact_key="e", key="nirvana-reading"))
+    assert {m.id for m, _ in store.recall("t", "carnator-reading", np.array([1.0, 0.0]))} == {a}
+    assert {m.id for m, _ in store.recall("t", "nirvana-reading", np.array([1.0, 0.0]))} == {b}
+    assert store.lookup_exact("t", "e").id in (a, b)   # either serves the exact tier: both hold the video
+    c = store.admit(_spec(exact_key="e", key="carnator-reading"))
+    assert store.get(a) is None and {m.id for m, _ in store.recall("t", "carnator-reading", np.array([1.0, 0.0]))} == {c}
+    assert store.get(b) is not None
+
+
 def test_one_bad_tensor_quarantines_the_entry_and_nothing_corrupt_is_served(store, caplog):
     entry = store.admit(_spec(exact_key="e"))
     path = _blob_path(store, entry)

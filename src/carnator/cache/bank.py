@@ -265,7 +265,8 @@ class CacheBank:
         WARNING. Raises :class:`CacheError` when it cannot be written (full disk, locked database) or when its
         embedding's size differs from its scope's (another embedder under the same compatibility key).
 
-        An entry with the same ``(tenant, exact_key)`` is replaced. When over capacity, entries are evicted in the
+        An entry with the same ``(tenant, exact_key, compat_key)`` is replaced (the same request stored under another
+        policy's reading is another entry: each policy keeps what it resumes from). When over capacity, entries are evicted in the
         eviction policy's order until the new one fits. Blobs are durable before the row that makes them an entry is
         committed.
         """
@@ -349,7 +350,8 @@ class CacheBank:
             if dim is not None and dim != meta.embedding.size:
                 raise CacheError(_dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
             settings = self._db.settings(conn)
-            replaced = self._db.exact_key_ids(conn, meta.tenant, meta.exact_key) if meta.exact_key is not None else []
+            replaced = (self._db.exact_key_ids(conn, meta.tenant, meta.exact_key, meta.compat_key)
+                        if meta.exact_key is not None else [])
             removed = self._db.delete(conn, replaced)
             need = self._db.total_bytes(conn) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
             victims, enough = self._victims(conn, need, settings)

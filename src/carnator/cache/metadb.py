@@ -461,8 +461,9 @@ class MetaDB:
         row = self.conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
         return None if row is None else _to_meta(row)
 
-    def exact_key_ids(self, conn: sqlite3.Connection, tenant: str, exact_key: str) -> list[str]:
-        rows = conn.execute("SELECT id FROM entries WHERE tenant = ? AND exact_key = ?", (tenant, exact_key))
+    def exact_key_ids(self, conn: sqlite3.Connection, tenant: str, exact_key: str, compat_key: str) -> list[str]:
+        rows = conn.execute("SELECT id FROM entries WHERE tenant = ? AND exact_key = ? AND compat_key = ?",
+                            (tenant, exact_key, compat_key))
         return [r[0] for r in rows]
 
     def all(self, conn: sqlite3.Connection | None = None, tenant: str | None = None) -> list[EntryMeta]:

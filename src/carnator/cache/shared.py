@@ -446,8 +446,9 @@ class SharedStore:
             settings = self._settings(c)
             replaced = []
             if meta.exact_key is not None:
-                replaced = [r[0] for r in c.execute("SELECT id FROM entries WHERE tenant = %s AND exact_key = %s",
-                                                    (meta.tenant, meta.exact_key))]
+                replaced = [r[0] for r in c.execute(
+                    "SELECT id FROM entries WHERE tenant = %s AND exact_key = %s AND compat_key = %s",
+                    (meta.tenant, meta.exact_key, meta.compat_key))]
             removed = self._delete(c, replaced)
             need = self._total_bytes(c) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
             victims, enough = self._victims(c, need, settings)
