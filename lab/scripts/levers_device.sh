@@ -3,17 +3,19 @@
 # diffusers.zip, the MiniLM package under py/, pairs3000.jsonl = the stream_pairs(3000, MiniLM, warm=1000) list).
 #
 #   bash lab/scripts/levers_device.sh OUT sources          # levers_sources.py: A (same-content sources judged), B (own sample, 8 prompts)
-#   bash lab/scripts/levers_device.sh OUT stream SECONDS   # levers_stream.py W = 1,000 / S = 300: dense, nirvana, shipped, gate, fast
+#   [VARIANTS=...] bash lab/scripts/levers_device.sh OUT stream SECONDS   # levers_stream.py W = 1,000 / S = 300: dense and
+#        VARIANTS (default shipped,gate,fast), with levers_sources.py (A and B) beside it
 set -u
 out=$1; mode=$2; budget=${3:-480}
 rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk
-export PYTHONPATH=$PWD/src:$PWD/lab/src:/tmp/dpk:$PWD/.cache/dev/py HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+export PYTHONPATH=$PWD/src:$PWD/lab/src:/tmp/dpk:$PWD/.cache/dev/py HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 t0=$(date +%s)
 case $mode in
   sources) python3 lab/scripts/levers_sources.py --pairs .cache/dev/pairs3000.jsonl --out "$out/sources" --jobs 14 \
-             --own-n 8 --same-content 2>&1 | grep -v -E "Warning|Loading weights|warn\(" | tail -40 ;;
+             --own-n 8 --same-content 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
   stream) python3 lab/scripts/levers_stream.py --out "$out/stream" --warm 1000 --test 300 --jobs 14 \
-             --variants nirvana,shipped,gate,fast --budget "$budget" 2>&1 | grep -v -E "Warning|Loading weights|warn\(" | tail -40 ;;
+             --variants "${VARIANTS:-shipped,gate,fast}" --budget "$budget" --sources .cache/dev/pairs3000.jsonl \
+             --sources-jobs 4 --own-n 8 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
 esac
 echo "done in $(( $(date +%s) - t0 )) s"

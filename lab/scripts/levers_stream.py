@@ -228,7 +228,11 @@ def main() -> None:
             p.join()
         print(f"test streams run in {time.time() - t0:.0f}s", flush=True)
         if side is not None:
-            side.wait()
+            try:
+                side.wait(timeout=max(1.0, t0 + args.budget + 20 - time.time()))
+            except subprocess.TimeoutExpired:   # its rows so far are in OUT/sources.jsonl
+                print("levers_sources.py cut at the budget", flush=True)
+                side.kill()
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     summary = summarize(rows, names, rule)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
