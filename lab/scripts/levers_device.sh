@@ -3,8 +3,8 @@
 # diffusers.zip, the MiniLM package under py/, pairs3000.jsonl = the stream_pairs(3000, MiniLM, warm=1000) list).
 #
 #   bash lab/scripts/levers_device.sh OUT sources          # levers_sources.py: A (same-content sources judged), B (own sample, 8 prompts)
-#   [VARIANTS=...] bash lab/scripts/levers_device.sh OUT stream SECONDS   # levers_stream.py W = 1,000 / S = 300: dense and
-#        VARIANTS (default shipped,gate,fast), with levers_sources.py (A and B) beside it
+#   [VARIANTS=...] [SOURCES=0] bash lab/scripts/levers_device.sh OUT stream SECONDS   # levers_stream.py W = 1,000 / S = 300: dense and
+#        VARIANTS (default shipped,gate,fast), with levers_sources.py (A and B) beside it unless SOURCES=0
 set -u
 out=$1; mode=$2; budget=${3:-480}
 rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk
@@ -15,7 +15,7 @@ case $mode in
   sources) python3 lab/scripts/levers_sources.py --pairs .cache/dev/pairs3000.jsonl --out "$out/sources" --jobs 14 \
              --own-n 8 --same-content 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
   stream) python3 lab/scripts/levers_stream.py --out "$out/stream" --warm 1000 --test 300 --jobs 14 \
-             --variants "${VARIANTS:-shipped,gate,fast}" --budget "$budget" --sources .cache/dev/pairs3000.jsonl \
-             --sources-jobs 4 --own-n 8 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
+             --variants "${VARIANTS:-shipped,gate,fast}" --budget "$budget" \
+             $([ "${SOURCES:-1}" = 1 ] && echo --sources .cache/dev/pairs3000.jsonl --sources-jobs 4 --own-n 8) 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
 esac
 echo "done in $(( $(date +%s) - t0 )) s"
