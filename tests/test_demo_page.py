@@ -30,23 +30,23 @@ def browser():
         b.close()
 
 
-#: a miss, its re-roll (a hit), a colour edit (a miss whose candidate is refused) and an exact repeat, at 32 steps (the
-#: carnator policy probes 4 and resumes at 30)
-STREAM4 = [STREAM[0], STREAM[1], STREAM[6], STREAM[9]]
+#: a miss, its re-roll and a rewording of it (hits), a colour edit (a miss whose candidate is refused) and an exact
+#: repeat, at 32 steps (the carnator policy probes 4 and resumes at 30)
+STREAM5 = [STREAM[0], STREAM[1], STREAM[2], STREAM[6], STREAM[9]]
 
 
 def test_demo_page_in_chromium(browser, tmp_path):
     eng = Carnator.from_pretrained("embedded", tmp_path / "cache", device="cpu", embedder=hashed_embedder(64))
-    run_demo(eng, tmp_path / "out", steps=32, progress=lambda line: None, stream=STREAM4)
+    run_demo(eng, tmp_path / "out", steps=32, progress=lambda line: None, stream=STREAM5)
     doc = json.loads((tmp_path / "out" / "demo.json").read_text())
     reqs = doc["requests"]
-    assert [r["decision"] for r in reqs] == ["miss", "hit", "miss", "exact hit"]
+    assert [r["decision"] for r in reqs] == ["miss", "hit", "hit", "miss", "exact hit"]
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto((tmp_path / "out" / "index.html").as_uri())
     page.wait_for_load_state("load")
 
     rows = page.locator("#requests tbody tr")
-    assert rows.count() == len(STREAM4)
+    assert rows.count() == len(STREAM5)
     for k, r in enumerate(reqs):
         row = rows.nth(k)
         assert row.locator(".decision").inner_text() == r["decision"]
@@ -55,27 +55,30 @@ def test_demo_page_in_chromium(browser, tmp_path):
         assert row.locator(".dense-seconds").inner_text() == f"{r['dense_seconds']:.2f}"
         assert row.locator(".speedup").inner_text() == f"x{r['speedup']}"
         assert row.locator(".steps").inner_text() == f"{r['steps_computed']} of {r['steps']}"
-    # the hit: its source's clip beside it, and the risk score under the threshold; the edit: the refused candidate's
-    hit, edit, exact = rows.nth(1), rows.nth(2), rows.nth(3)
-    assert hit.locator("figcaption").all_inner_texts()[-1] == "source: request 0" and hit.locator("img").count() == 3
-    assert hit.locator(".checks li.pass").inner_text() == f"risk score {reqs[1]['risk']['value']:.3f} ≤ {reqs[1]['risk']['threshold']:.3f}"
-    assert reqs[1]["steps_computed"] == 6 and hit.locator(".steps").inner_text() == "6 of 32"
-    assert edit.locator("figcaption").all_inner_texts()[-1].startswith("refused: request ") and edit.locator(".checks li.fail").count() == 1
+    # the hits: the source's clip beside each, and the content check that decided (the others measured, "off"); the
+    # edit: the refused candidate's, and the content check it failed
+    hit, reword, edit, exact = rows.nth(1), rows.nth(2), rows.nth(3), rows.nth(4)
+    for row, r in ((hit, reqs[1]), (reword, reqs[2])):
+        assert row.locator("figcaption").all_inner_texts()[-1].startswith("source: request ") and row.locator("img").count() == 3
+        assert row.locator(".checks li.pass").inner_text() == "content 0.00 ≤ 0.00" and r["risk"] is None
+        assert r["steps_computed"] == 6 and row.locator(".steps").inner_text() == "6 of 32"
+    assert edit.locator(".checks li.fail").inner_text() == "content 2.00 > 0.00"
+    assert edit.locator("figcaption").all_inner_texts()[-1].startswith("refused: request ")
     assert exact.locator("figcaption").all_inner_texts()[-1] == "source: request 0" and exact.locator(".steps").inner_text() == "0 of 32"
     t = doc["totals"]
     total = {page.locator("#totals td:first-child").nth(k).inner_text(): page.locator("#totals td.total").nth(k).inner_text()
              for k in range(page.locator("#totals tr").count())}
-    assert total["reused cached work"] == "2 of 4 (50 %), 1 of them exact"
+    assert total["reused cached work"] == "3 of 5 (60 %), 1 of them exact"
     assert total["time"].startswith(f"{t['seconds']:.2f} s against {t['dense_seconds']:.2f} s dense: x{t['speedup']}")
-    assert total["denoising steps computed"] == f"{32 + 6 + 32 + 0} of {4 * 32} ({4 * 32 - 70} saved)"
+    assert total["denoising steps computed"] == f"{32 + 6 + 6 + 32 + 0} of {5 * 32} ({5 * 32 - 76} saved)"
     # every clip decoded by the browser (a GIF it cannot read has naturalWidth 0), at the model's 64 pixels
     widths = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.complete ? i.naturalWidth : -1)")
-    assert len(widths) == 2 * 4 + 3 and set(widths) == {64}
-    # the plot: two curves of 4 + 1 points, one dot per request, drawn with a size
+    assert len(widths) == 2 * 5 + 4 and set(widths) == {64}   # each clip and its dense run; a source or refused clip for 4
+    # the plot: two curves of 5 + 1 points, one dot per request, drawn with a size
     box = page.locator("#cumulative").bounding_box()
     assert box["width"] > 300 and box["height"] > 150
-    assert len(page.locator("#cumulative polyline.policy").get_attribute("points").split()) == len(STREAM4) + 1
-    assert page.locator("#cumulative circle").count() == len(STREAM4)
+    assert len(page.locator("#cumulative polyline.policy").get_attribute("points").split()) == len(STREAM5) + 1
+    assert page.locator("#cumulative circle").count() == len(STREAM5)
     shot = tmp_path / "demo-page.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -1,11 +1,14 @@
-"""Why a request hit or missed (:mod:`carnator.explain`), on the embedded model with the shipped thresholds: a
-re-roll hits its first generation, a colour edit misses; the numbers named are the policy's own."""
+"""Why a request hit or missed (:mod:`carnator.explain`), on the embedded model with its shipped thresholds: a
+re-roll hits its first generation, a colour edit misses; the numbers named are the policy's own. Both shipped files:
+the default (the two prompts ask the same, the source passed the admission gate) and, for an engine without the gate,
+``thresholds-nogate.json`` (a certified risk score over the Early Signature, plus the content check)."""
 
 from __future__ import annotations
 
 import pytest
 
 from carnator import Carnator
+from carnator.engine import EngineConfig
 from carnator.explain import describe
 from carnator.testing import hashed_embedder
 
@@ -13,9 +16,9 @@ PROMPT = "a small red ball moving left on grass"
 STEPS = 32  # the carnator policy probes 4 steps and resumes at step 30
 
 
-@pytest.fixture(scope="module")
-def stream(tmp_path_factory):
-    eng = Carnator.from_pretrained("embedded", tmp_path_factory.mktemp("explain") / "cache", device="cpu", embedder=hashed_embedder(64))
+def _stream(cache, **carnator):
+    cfg = EngineConfig(policy_options={"carnator": carnator}) if carnator else None
+    eng = Carnator.from_pretrained("embedded", cache, device="cpu", embedder=hashed_embedder(64), config=cfg)
     # each described right after it ran, as the CLI and the demo do (a later entry would be recalled too)
     first = eng.generate(PROMPT, seed=1, num_inference_steps=STEPS)
     first.why = describe(eng, first)
@@ -24,6 +27,42 @@ def stream(tmp_path_factory):
     edit = eng.generate(PROMPT.replace("red", "blue"), seed=3, num_inference_steps=STEPS)
     edit.why = describe(eng, edit)
     return eng, first, reroll, edit
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    """Without the admission gate (``admitted_only`` off): the no-gate file and its risk score."""
+    return _stream(tmp_path_factory.mktemp("explain") / "cache", admitted_only=False)
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    """The default engine (carnator-lab installed: the shapes judge is the gate): the shipped file."""
+    return _stream(tmp_path_factory.mktemp("explain-gated") / "cache")
+
+
+def test_the_engine_loads_the_file_its_gate_allows(stream, gated):
+    pol, gpol = stream[0].policy("carnator"), gated[0].policy("carnator")
+    assert "thresholds-nogate.json (certified)" in pol.thresholds_source and pol.tau.risk is not None
+    assert "thresholds.json (certified)" in gpol.thresholds_source and gpol.tau.risk is None and gpol.tau.content == 0
+    assert gated[0].store.get(gated[1].stats.entry_id).extra["admitted"] is True
+
+
+def test_a_hit_under_the_content_rule_names_the_check_that_decided(gated):
+    eng, first, reroll, _ = gated
+    why = reroll.why
+    assert why.decision == "hit" and why.source_id == first.stats.entry_id and why.risk is None
+    assert why.checks[0].name == "content" and (why.checks[0].value, why.checks[0].threshold) == (0, 0)
+    assert all(c.threshold is None for c in why.checks[1:])  # measured, not decided on
+    assert why.reason.startswith(f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1): content 0.00 <= 0.00, ")
+
+
+def test_a_colour_edit_under_the_content_rule_misses_on_content(gated):
+    eng, first, reroll, edit = gated
+    why = edit.why
+    assert why.decision == "miss" and why.tested_id in (first.stats.entry_id, reroll.stats.entry_id)
+    assert why.checks[0].name == "content" and why.checks[0].value == 2 and not why.checks[0].passed
+    assert why.headline.endswith("failed the compatibility test") and "content 2.00 > 0.00" in why.reason
 
 
 def test_steps_are_dit_forwards_over_cfg_branches(stream):
@@ -61,6 +100,7 @@ def test_a_miss_names_the_candidate_refused_and_why(stream):
     # the same nouns (ball, grass), none substituted: size, shape and colour do not apply (Discrepancies); the
     # content check (what the prompts ask: one ball's colour differs, so one item on each side) refuses it too
     checks = {c.name: c for c in why.checks}
+    assert why.checks[0].name == "content"   # the failing check first
     assert set(checks) == {"content", "context", "text"}
     assert checks["content"].value == 2 and checks["content"].threshold == 0 and not checks["content"].passed
     assert why.reason.startswith(f"2 cached candidates with matching nouns; the first, entry {why.tested_id[:8]} (")

@@ -15,7 +15,7 @@ the content and gate rules have no fitted parameter (content distance 0 and the 
 rule's Delta), so the selection split is unused by them; the table is the certification split's. ``--write FILE``
 writes the ``content+gate`` rule as a thresholds file (with its per-category table and the gate it needs).
 
-    python3 lab/scripts/levers_calibrate.py --rows ROWS.jsonl.gz --pairs PAIRS.jsonl --sources sources.jsonl [--write FILE]
+    python3 lab/scripts/levers_calibrate.py [--rows ROWS.jsonl.gz] --pairs PAIRS.jsonl --sources sources.jsonl[.gz] [--write FILE]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from carnator.reuse.calibrate import CalibrationPair
 from carnator.signature.content import LexiconContent, change_kind, content_distance
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ROOT / "src/carnator/embedded/thresholds.json"
+SHIPPED = ROOT / "src/carnator/embedded/thresholds-nogate.json"
 LEXICON = ROOT / "src/carnator/embedded/lexicon.json"
 CATEGORY = {"reroll": "re-roll", "reword": "rewording", "noun": "object", "color": "colour", "size": "size",
             "context": "place", "motion": "motion", "unrelated": "unrelated", "count": "count"}
@@ -66,7 +66,8 @@ def main() -> None:
     pairs = [json.loads(line) for line in args.pairs.read_text().splitlines()]
     quality = {}
     if args.sources is not None:
-        for line in args.sources.read_text().splitlines():
+        text = gzip.open(args.sources, "rt").read() if args.sources.suffix == ".gz" else args.sources.read_text()
+        for line in text.splitlines():
             q = json.loads(line)
             quality[(q["source"], int(q["seed"]))] = q
     read = LexiconContent.from_file(LEXICON)
@@ -134,6 +135,7 @@ def main() -> None:
             "delta": 0.05, "confidence": 0.9,
             "calibration_rows": str(args.rows.relative_to(ROOT)) if args.rows.is_relative_to(ROOT) else str(args.rows),
             "certification_split": {"pairs": len(cert), "selection_fraction": 0.3, "split_seed": 0},
+            "source_scores": str(args.sources.relative_to(ROOT)) if args.sources.is_relative_to(ROOT) else str(args.sources),
             "per_category": table,
             "generated_by": "lab/scripts/levers_calibrate.py --write (issue 26)",
         }

@@ -155,6 +155,8 @@ def _checks(tau, d) -> tuple[list[Check], tuple[float, float] | None]:
             continue
         t = getattr(tau, name, None)
         checks.append(Check(name, float(value), None if t is None or math.isinf(t) else float(t)))
+    # what decided first: a failing check, then those with a threshold, then the measured-only ones (stable)
+    checks.sort(key=lambda c: (c.passed, c.threshold is None))
     risk = None
     if tau.risk is not None:
         from .reuse import Discrepancies

@@ -33,6 +33,9 @@ log = logging.getLogger("carnator")
 MASK_PREFIX = "attn."
 EVIDENCE_PREFIX = "evidence."
 SHIPPED_THRESHOLDS = Path(__file__).resolve().parent.parent / "embedded" / "thresholds.json"
+#: the embedded model's file for an engine without the admission gate the shipped file needs (carnator-lab's ``shapes``
+#: judge not installed, or ``admitted_only`` off): certified on its own, it reuses re-rolls only
+SHIPPED_THRESHOLDS_NOGATE = SHIPPED_THRESHOLDS.with_name("thresholds-nogate.json")
 
 
 @dataclass
@@ -143,31 +146,43 @@ class CarnatorPolicy(Policy):
             self._load(path, model)
             return
         if model.family == "embedded" and SHIPPED_THRESHOLDS.exists():
+            path = SHIPPED_THRESHOLDS
+            if self._gate_missing(Thresholds.file_meta(path), model) and SHIPPED_THRESHOLDS_NOGATE.exists():
+                path = SHIPPED_THRESHOLDS_NOGATE   # certified without the gate: re-rolls only
+                log.info("no admission gate on this engine: the embedded model's thresholds without one (%s)", path.name)
             try:
-                self._load(SHIPPED_THRESHOLDS, model)
+                self._load(path, model)
             except CarnatorError as e:  # the shipped file does not fit this configuration: the paper's values
                 log.warning("%s; using the paper's thresholds (uncertified)", e)
+
+    def _gate_missing(self, meta: dict, model: ModelInfo) -> dict | None:
+        """The admission gate a certified file needs (``meta.admission``) when this engine and policy do not apply it
+        (no judge, another judge, a looser bar, or ``admitted_only`` off); None when nothing is missing."""
+        needs = meta.get("admission")
+        if not meta.get("certified") or not needs:
+            return None
+        have = model.admission
+        if have is None or not self.cfg.admitted_only or have.get("judge") != needs.get("judge"):
+            return needs
+        for k, bar in needs.get("rule", {}).items():
+            if k not in have.get("rule", {}):
+                return needs
+            mine, higher = have["rule"][k], needs.get("directions", {}).get(k, 1) > 0
+            if mine < bar if higher else mine > bar:
+                return needs
+        return None
 
     def _load(self, path, model: ModelInfo) -> None:
         self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading(), judge=self.cfg.judge)
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
-        needs = meta.get("admission")
         why = ""
-        if self.certified and needs:
+        needs = self._gate_missing(meta, model)
+        if needs:
             # The certificate holds for sources that passed this gate; without it (or with a looser one) it does not.
-            have = model.admission
-            looser = have is None or not self.cfg.admitted_only or have.get("judge") != needs.get("judge") or any(
-                k not in have.get("rule", {}) for k in needs.get("rule", {}))
-            if not looser:
-                for k, bar in needs.get("rule", {}).items():
-                    mine = have["rule"][k]
-                    higher = needs.get("directions", {}).get(k, 1) > 0
-                    looser = looser or (mine < bar if higher else mine > bar)
-            if looser:
-                self.certified = False
-                why = f"; certified only with the admission gate {needs}, which this engine does not apply"
-                log.warning("thresholds %s%s", path, why)
+            self.certified = False
+            why = f"; certified only with the admission gate {needs}, which this engine does not apply"
+            log.warning("thresholds %s%s", path, why)
         self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'}{why})"
 
     # ---- what the engine runs ----------------------------------------------------------------------------
