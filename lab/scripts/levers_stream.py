@@ -13,7 +13,8 @@ Variants (``--variants``, comma-separated):
   gate      the content rule, and only sources whose own clip passed the admission gate (lever 1 on top of lever 3)
   fast      ``gate`` with the write-behind store and the probe skipped (``probe`` "auto"; lever 5)
   own       ``gate`` with ``own_sample`` 1 (lever 6)
-  shipped   the shipped thresholds file as it is on this tree
+  shipped   the shipped files with ``admitted_only`` off, i.e. ``thresholds-nogate.json`` (before 2026-12-06 04:27 UTC
+            this was the shipped file itself, the same rule)
   nirvana   the NIRVANA baseline (its entries are filled into the same warm cache beside carnator's)
 
     python3 lab/scripts/levers_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
