@@ -137,6 +137,19 @@ def test_rewordings_and_rerolls_hit_edits_miss_with_the_reason(tmp_path):
         assert r.stats.dit_forwards == 2 * STEPS
 
 
+def test_a_reuse_is_never_the_source_of_another(tmp_path):
+    """A hit's own entry begins at its resume step, so it cannot serve a reuse: the demo's second rewording was
+    recalled to the first rewording's entry first and missed ("a tensor is missing"). Now the original is the source."""
+    eng = _engine(tmp_path)
+    a = eng.generate(SRC, seed=101, num_inference_steps=STEPS)
+    reworded = "footage of a small red ball moving left on grass, 4k"
+    h = eng.generate(reworded, seed=102, num_inference_steps=STEPS)
+    assert h.stats.hit and eng.store.get(h.stats.entry_id).extra["approximate"] is True
+    r = eng.generate(reworded, seed=103, num_inference_steps=STEPS, store=False)  # nearest entry: h's, same prompt
+    assert r.stats.hit and r.stats.source_id == a.stats.entry_id
+    assert eng.generate(reworded, seed=102, num_inference_steps=STEPS).stats.exact_hit  # h still serves its own repeat
+
+
 def test_a_source_that_fails_the_admission_judge_is_never_reused(tmp_path):
     eng = _engine(tmp_path, judge="test-fail")
     a = eng.generate(SRC, seed=105, num_inference_steps=STEPS)

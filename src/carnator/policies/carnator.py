@@ -220,13 +220,18 @@ class CarnatorPolicy(Policy):
 
     def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None):
         """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds
-        read one), with their noun diffs, in recall order."""
+        read one), with their noun diffs, in recall order; never an entry that was itself a reuse, nor (with
+        ``admitted_only``) one whose own clip failed the admission judge."""
         if need_signature is None:
             need_signature = self.uses_signature()
         out = []
         for c in inputs.candidates:
             if self.cfg.admitted_only and c.meta.extra.get("admitted") is False:
                 continue  # its own output failed the admission judge: never a source
+            if c.meta.extra.get("approximate"):
+                # A reuse's own entry: its trajectory begins at its resume step (it never computed the latent a reuse
+                # resumes from), and no calibration pair resumed from a reuse. It still serves exact hits.
+                continue
             theirs = c.meta.extra.get("nouns", [])
             diff = noun_diff(inputs.nouns, theirs)
             if diff is None and inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) == 0:
