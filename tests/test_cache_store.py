@@ -210,6 +210,46 @@ def test_the_same_request_under_two_readings_keeps_both_entries(store):
     assert store.get(b) is not None
 
 
+def test_recall_by_content_finds_what_the_nearest_miss(store):
+    """Hand-placed embeddings: the query's nearest two are other scenes; two entries ask what the query asks (content
+    key "c") far away. Recall by content returns them after the nearest, best first, each with its own cosine; never an
+    entry of another tenant or compatibility key, nor one admitted without a content key."""
+    near = [store.admit(_spec((1.0, 0.1 * i), content_key="other")) for i in (1, 2)]
+    far = store.admit(_spec((0.0, 1.0), content_key="c"))           # cosine 0 to the query
+    mid = store.admit(_spec((1.0, 1.0), content_key="c"))           # cosine 0.7071
+    store.admit(_spec((1.0, 0.0), content_key=None))                 # the query itself, but no content key
+    store.admit(_spec((0.0, 1.0), content_key="c", tenant="u"))      # another tenant
+    store.admit(_spec((0.0, 1.0), content_key="c", key="k2"))        # another compatibility key
+    q = np.array([1.0, 0.0])
+    plain = store.recall("t", "k", q, k=2)
+    assert [m.id for m, _ in plain][1:] == [near[0]]
+    found = store.recall("t", "k", q, k=2, content_key="c")
+    assert [m.id for m, _ in found][:2] == [m.id for m, _ in plain]
+    assert [(m.id, round(s, 4)) for m, s in found[2:]] == [(mid, 0.7071), (far, 0.0)]
+    assert {m.content_key for m, _ in found[2:]} == {"c"}
+    assert [m.id for m, _ in store.recall("t", "k", q, k=1, content_key="c")][1:] == [mid]   # at most k more
+    assert store.recall("t", "k", q, k=2, content_key="none such") == plain
+
+
+def test_a_store_from_before_content_keys_gains_them(open_store):
+    """A store written before entries had a content key (the column absent) opens, keeps its entries and indexes new
+    ones by content."""
+    s = open_store()
+    old = s.admit(_spec((1.0, 0.0)))
+    if isinstance(s, CacheBank):
+        with s._db.write() as conn:
+            conn.execute("DROP INDEX entries_content")
+            conn.execute("ALTER TABLE entries DROP COLUMN content_key")
+    else:
+        with s._tx(write=True) as c:
+            c.execute("ALTER TABLE entries DROP COLUMN content_key")
+    s.close()
+    s = open_store()
+    assert s.get(old).content_key is None
+    new = s.admit(_spec((0.0, 1.0), content_key="c"))
+    assert [m.id for m, _ in s.recall("t", "k", np.array([1.0, 0.0]), k=1, content_key="c")] == [old, new]
+
+
 def test_one_bad_tensor_quarantines_the_entry_and_nothing_corrupt_is_served(store, caplog):
     entry = store.admit(_spec(exact_key="e"))
     path = _blob_path(store, entry)

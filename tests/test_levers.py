@@ -150,6 +150,21 @@ def test_a_reuse_is_never_the_source_of_another(tmp_path):
     assert eng.generate(reworded, seed=102, num_inference_steps=STEPS).stats.exact_hit  # h still serves its own repeat
 
 
+def test_a_rewording_finds_its_source_by_content_beyond_the_nearest_sentences(tmp_path):
+    """With one recalled candidate, the rewording's nearest sentence is a colour edit of it (one word apart), not its
+    source (three words apart): recall by sentence alone tests the edit and misses; recall by content also returns
+    the source, which asks the same, and the request hits it."""
+    eng = _engine(tmp_path, top_k=1)
+    a = eng.generate(SRC, seed=101, num_inference_steps=STEPS)
+    eng.generate("footage of a small blue ball moving left on grass, 4k", seed=109, num_inference_steps=STEPS)
+    reworded = "footage of a small red ball moving left on grass, 4k"
+    r = eng.generate(reworded, seed=102, num_inference_steps=STEPS, store=False)
+    assert r.stats.hit and r.stats.source_id == a.stats.entry_id and "same content" in r.stats.reason
+    off = _engine(tmp_path, top_k=1, content_recall=False)   # the same cache, recall by sentence only
+    m = off.generate(reworded, seed=102, num_inference_steps=STEPS, store=False)
+    assert not m.stats.hit and "color blue -> red" in m.stats.reason
+
+
 def test_a_source_that_fails_the_admission_judge_is_never_reused(tmp_path):
     eng = _engine(tmp_path, judge="test-fail")
     a = eng.generate(SRC, seed=105, num_inference_steps=STEPS)

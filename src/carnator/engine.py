@@ -33,6 +33,7 @@ import torch
 from . import denoise
 from .backbones.base import BackboneAdapter
 from .backbones.registry import adapter_for
+from .cache.keys import content_key
 from .cache.protocol import VIDEO, CacheStore, StoreSpec
 from .errors import CacheError, GenerationError, InvalidRequestError, ModelLoadError
 from .plan import Decision, DecisionInputs, ReusePlan
@@ -430,7 +431,9 @@ class Carnator:
         if mode == "reuse" and fallback is None and pol.recall_k() > 0:
             t0 = time.perf_counter()
             embedding = self._embed(req.prompt)
-            inputs = dataclasses.replace(inputs, candidates=recall(self.store, req.tenant, key, embedding, pol.recall_k()))
+            by_content = content_key(content) if pol.recall_by_content() else None
+            inputs = dataclasses.replace(inputs, candidates=recall(self.store, req.tenant, key, embedding, pol.recall_k(),
+                                                                   content_key=by_content))
             tm["recall"] = time.perf_counter() - t0
         prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
         if spec is not None and fallback is None and injected is None and hasattr(pol, "probe_needed") \
@@ -607,6 +610,8 @@ class Carnator:
                 tenant=req.tenant, compat_key=key, exact_key=exact_key if self.config.store_video else None,
                 prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed,
                 steps_saved=float(req.num_inference_steps), embedding=embedding, tensors=tensors, extra=extra,
+                # found by content only where its own trajectory is whole (a reuse's begins at its resume step)
+                content_key=None if plan.hit or inputs.content is None else content_key(inputs.content),
                 video=np.ascontiguousarray(frames) if self.config.store_video else None,
             ))
         except (CacheError, OSError) as e:  # unwritable or full disk, locked database, another embedder's cache

@@ -21,7 +21,7 @@ from .bank import CacheBank
 from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import LCBFU, LRU, EvictionPolicy, RankedEviction, eviction_policies, get_eviction, register_eviction
 from .index import available_backends
-from .keys import compat_key
+from .keys import compat_key, content_key
 from .metadb import FORMAT_VERSION
 from .paths import CACHE_DIR_ENV, default_cache_dir
 from .protocol import CacheStore, StoreSpec
@@ -48,6 +48,7 @@ __all__ = [
     "VerifyReport",
     "available_backends",
     "compat_key",
+    "content_key",
     "default_cache_dir",
     "eviction_policies",
     "get_eviction",

@@ -298,6 +298,7 @@ class CacheBank:
             id=entry_id, tenant=spec.tenant, compat_key=spec.compat_key, exact_key=spec.exact_key, prompt=spec.prompt,
             negative_prompt=spec.negative_prompt, seed=None if spec.seed is None else int(spec.seed), created=now,
             last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
+            content_key=spec.content_key,
         )
         try:
             try:
@@ -518,8 +519,10 @@ class CacheBank:
         return self._db.layout(entry_id)
 
     @_guarded
-    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10) -> list[tuple[EntryMeta, float]]:
-        """The ``k`` entries of ``(tenant, compat_key)`` most cosine-similar to ``embedding``, best first.
+    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
+               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
+        """The ``k`` entries of ``(tenant, compat_key)`` most cosine-similar to ``embedding``, best first; with
+        ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best first.
 
         Ties are broken by admission order (older first). Entries of other tenants or compatibility keys are never
         returned. Raises :class:`CacheError` when ``embedding``'s size differs from the scope's.
@@ -536,6 +539,10 @@ class CacheBank:
                 raise CacheError(_dim_message(tenant, compat_key, dim, query.size))
             index = self._scope_index(conn, tenant, compat_key, dim)
             hits = index.search(query, k)
+            if content_key is not None:
+                seen = {h[0] for h in hits}
+                same = self._db.content_ids(conn, tenant, compat_key, content_key, k + len(hits))
+                hits += index.score([i for i in same if i not in seen][:k], query)
             metas = self._db.get_many(conn, [h[0] for h in hits])
         return [(metas[i], score) for i, score in hits if i in metas]
 

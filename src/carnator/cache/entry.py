@@ -20,6 +20,8 @@ class EntryMeta:
     what counts against the store's capacity. ``embedding`` is the recall embedding as admitted (``float32``, not
     normalized). ``extra`` is free-form JSON (nouns, signature scalars, ...). ``tensor_names`` are the names
     :meth:`CacheBank.load` can read, sorted (:data:`VIDEO` among them when the entry kept its video).
+    ``content_key`` names what the prompt asks (:func:`carnator.cache.keys.content_key`), so that a request asking the
+    same in other words finds it whatever its recall cosine (None: found by cosine only).
     """
 
     id: str
@@ -37,6 +39,7 @@ class EntryMeta:
     embedding: np.ndarray = field(repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
     tensor_names: tuple[str, ...] = field(default=(), repr=False)
+    content_key: str | None = None
 
     @property
     def benefit(self) -> float:

@@ -63,6 +63,7 @@ class ScopeIndex:
         self.dim = int(dim)
         self.backend = backend
         self.ids: list[str] = []
+        self._pos: dict[str, int] = {}
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)
         self._flat: Any | None = None  # faiss.IndexFlatIP, rebuilt lazily after removals
         self._buf: np.ndarray | None = None  # rows [0, len(ids)) are _vecs; the rest is room to grow
@@ -77,6 +78,7 @@ class ScopeIndex:
         vecs = normalize(np.asarray(vectors).reshape(len(ids), -1))
         if vecs.shape[1] != self.dim:
             raise ValueError(f"expected {self.dim}-d vectors, got {vecs.shape[1]}-d")
+        self._pos.update((e, len(self.ids) + j) for j, e in enumerate(ids))
         self.ids.extend(ids)
         # Amortised growth: one admission appends one row instead of copying the whole scope (at 10^6 x 384-d that
         # copy is 1.5 GB per admission).
@@ -97,6 +99,7 @@ class ScopeIndex:
         removed = len(self.ids) - len(keep)
         if removed:
             self.ids = [self.ids[i] for i in keep]
+            self._pos = {e: j for j, e in enumerate(self.ids)}
             self._vecs = self._vecs[keep]
             self._buf = None
             self._flat = None
@@ -117,6 +120,15 @@ class ScopeIndex:
         if positions is None:
             positions = np.arange(n)
         order, scores = self._rank(positions, q, k)
+        return [(self.ids[p], float(s)) for p, s in zip(order, scores, strict=True)]
+
+    def score(self, ids: Iterable[str], query: np.ndarray) -> list[tuple[str, float]]:
+        """``(id, cosine)`` of those ``ids`` the index holds, scored as :meth:`search` scores, best first."""
+        positions = np.array(sorted({self._pos[e] for e in ids if e in self._pos}), dtype=np.int64)
+        if positions.size == 0:
+            return []
+        q = normalize(np.asarray(query).reshape(-1))
+        order, scores = self._rank(positions, q, positions.size)
         return [(self.ids[p], float(s)) for p, s in zip(order, scores, strict=True)]
 
     # -- internals -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _KEY_VERSION = 1
@@ -84,3 +84,14 @@ def _canonical(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return _canonical(value.tolist())
     raise TypeError(f"cannot use a value of type {type(value).__name__} in a compatibility key")
+
+
+def content_key(content: Iterable[str]) -> str | None:
+    """Hash of a prompt's content items (:mod:`carnator.signature.content`) as a multiset (64 hex chars): equal for
+    two prompts that ask the same in other words. None for an empty content (a prompt that asks for nothing known
+    would otherwise match every other such prompt)."""
+    items = sorted(str(i) for i in content)
+    if not items:
+        return None
+    text = json.dumps(items, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -66,7 +66,8 @@ _SCHEMA = (
         nbytes INTEGER NOT NULL,
         embedding BLOB NOT NULL,
         extra TEXT NOT NULL DEFAULT '{}',
-        layout TEXT NOT NULL
+        layout TEXT NOT NULL,
+        content_key TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
     "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
@@ -95,8 +96,10 @@ _SCHEMA = (
 
 _COLUMNS = (
     "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
-    "use_count, steps_saved, nbytes, embedding, extra, layout"
+    "use_count, steps_saved, nbytes, embedding, extra, layout, content_key"
 )
+#: Added to format 2 after its release (an older database gains it when first opened writable): the content key.
+_CONTENT_INDEX = "CREATE INDEX IF NOT EXISTS entries_content ON entries (tenant, compat_key, content_key, seq)"
 
 _CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
@@ -189,6 +192,9 @@ class MetaDB:
                 if not self.found_schema or not _has_table(conn, "entries"):
                     raise CacheError(f"cache database {self.path} is empty and the cache directory is read-only")
                 version = self.get_meta("format_version", conn)
+                if str(version) == str(FORMAT_VERSION) and not _has_column(conn, "entries", "content_key"):
+                    raise CacheError(f"cache database {self.path} was written by an older carnator and the cache "
+                                     "directory is read-only: open it once writable to bring it up to date")
             else:
                 version = self._init_schema(conn)
         except UnicodeDecodeError as exc:
@@ -281,6 +287,9 @@ class MetaDB:
                     return str(version)
             for stmt in _SCHEMA:
                 conn.execute(stmt)
+            if not _has_column(conn, "entries", "content_key"):
+                conn.execute("ALTER TABLE entries ADD COLUMN content_key TEXT")
+            conn.execute(_CONTENT_INDEX)
             conn.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('format_version', ?)", (str(FORMAT_VERSION),)
             )
@@ -371,9 +380,7 @@ class MetaDB:
 
     def insert(self, conn: sqlite3.Connection, meta: EntryMeta, layout: dict[str, Any]) -> None:
         conn.execute(
-            "INSERT INTO entries (id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, "
-            "last_used, use_count, steps_saved, nbytes, embedding, extra, layout) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO entries ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 meta.id,
                 meta.tenant,
@@ -390,6 +397,7 @@ class MetaDB:
                 np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
                 dump_extra(meta.extra),
                 json.dumps(layout, sort_keys=True, separators=(",", ":")),
+                meta.content_key,
             ),
         )
 
@@ -460,6 +468,12 @@ class MetaDB:
             args.append(compat_key)
         row = self.conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
         return None if row is None else _to_meta(row)
+
+    def content_ids(self, conn: sqlite3.Connection, tenant: str, compat_key: str, content_key: str, limit: int) -> list[str]:
+        """The newest ``limit`` entries of the scope admitted under ``content_key``, newest first."""
+        rows = conn.execute("SELECT id FROM entries WHERE tenant = ? AND compat_key = ? AND content_key = ? "
+                            "ORDER BY seq DESC LIMIT ?", (tenant, compat_key, content_key, int(limit)))
+        return [r[0] for r in rows]
 
     def exact_key_ids(self, conn: sqlite3.Connection, tenant: str, exact_key: str, compat_key: str) -> list[str]:
         rows = conn.execute("SELECT id FROM entries WHERE tenant = ? AND exact_key = ? AND compat_key = ?",
@@ -542,6 +556,10 @@ def count_entries(path: Path) -> int | None:
         return None
 
 
+def _has_column(conn: sqlite3.Connection, table: str, column: str) -> bool:
+    return any(r[1] == column for r in conn.execute(f"PRAGMA table_info({table})"))
+
+
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
 
@@ -551,7 +569,7 @@ def _layout(text: str) -> dict[str, Any]:
 
 
 def _to_meta(row: Sequence[Any]) -> EntryMeta:
-    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, lay) = row
+    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, lay, content) = row
     return EntryMeta(
         id=str(id_),
         tenant=str(tenant),
@@ -568,6 +586,7 @@ def _to_meta(row: Sequence[Any]) -> EntryMeta:
         embedding=np.frombuffer(emb, dtype="<f4").astype(np.float32),
         extra=json.loads(extra) if extra else {},
         tensor_names=tuple(sorted(_layout(lay)["tensors"])),
+        content_key=content,
     )
 
 

@@ -36,7 +36,8 @@ class StoreSpec:
     regions, ...). ``video``: the decoded clip (uint8), kept apart from the tensors so that an exact hit reads it
     alone; None stores no video (the entry then serves no exact hit). ``extra``: JSON-able metadata the policies
     read at recall (nouns, Early Signature, ...). ``steps_saved``: what one reuse of the entry saves (denoising
-    steps; LCBFU's benefit).
+    steps; LCBFU's benefit). ``content_key``: what the prompt asks (:func:`carnator.cache.keys.content_key`), for
+    :meth:`CacheStore.recall`'s lookup by content; None keeps the entry out of it.
     """
 
     tenant: str
@@ -50,6 +51,7 @@ class StoreSpec:
     seed: int | None = None
     steps_saved: float = 0.0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    content_key: str | None = None
 
 
 @runtime_checkable
@@ -59,8 +61,11 @@ class CacheStore(Protocol):
     def lookup_exact(self, tenant: str, exact_key: str) -> EntryMeta | None:
         """The entry admitted with ``exact_key`` in ``tenant`` (serves an exact hit), or None."""
 
-    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10) -> list[tuple[EntryMeta, float]]:
-        """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, nearest first."""
+    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
+               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
+        """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, nearest first; with
+        ``content_key``, then the newest ``k`` entries admitted under that content key that are not among them (by
+        cosine, nearest first): a request that asks the same in other words finds them however far its sentence."""
 
     def get(self, entry_id: str) -> EntryMeta | None:
         """Metadata of one entry, or None."""

@@ -71,7 +71,7 @@ log = logging.getLogger("carnator.cache")
 
 _COLUMNS = (
     "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
-    "use_count, steps_saved, nbytes, embedding, extra, layout"
+    "use_count, steps_saved, nbytes, embedding, extra, layout, content_key"
 )
 
 _SCHEMA = (
@@ -92,8 +92,12 @@ _SCHEMA = (
         nbytes BIGINT NOT NULL,
         embedding BYTEA NOT NULL,
         extra TEXT NOT NULL DEFAULT '{}',
-        layout TEXT NOT NULL
+        layout TEXT NOT NULL,
+        content_key TEXT
     )""",
+    # content_key joined format 2 after its release: an older store gains it when first opened writable
+    "ALTER TABLE entries ADD COLUMN IF NOT EXISTS content_key TEXT",
+    "CREATE INDEX IF NOT EXISTS entries_content ON entries (tenant, compat_key, content_key, seq)",
     "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
     "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
     """CREATE TABLE IF NOT EXISTS scopes (
@@ -408,6 +412,7 @@ class SharedStore:
             id=entry_id, tenant=spec.tenant, compat_key=spec.compat_key, exact_key=spec.exact_key, prompt=spec.prompt,
             negative_prompt=spec.negative_prompt, seed=None if spec.seed is None else int(spec.seed), created=now,
             last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
+            content_key=spec.content_key,
         )
         try:
             try:
@@ -457,11 +462,11 @@ class SharedStore:
                               f"{settings.capacity_bytes} bytes")
             removed += self._delete(c, victims)
             c.execute(
-                f"INSERT INTO entries ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                f"INSERT INTO entries ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (meta.id, meta.tenant, meta.compat_key, meta.exact_key, meta.prompt, meta.negative_prompt,
                  None if meta.seed is None else str(int(meta.seed)), meta.created, meta.last_used, int(meta.use_count),
                  float(meta.steps_saved), int(meta.nbytes), np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
-                 dump_extra(meta.extra), json.dumps(layout, sort_keys=True, separators=(",", ":"))),
+                 dump_extra(meta.extra), json.dumps(layout, sort_keys=True, separators=(",", ":")), meta.content_key),
             )
             c.execute("INSERT INTO scopes VALUES (%s, %s, %s) ON CONFLICT (tenant, compat_key) DO UPDATE SET dim = EXCLUDED.dim",
                       (meta.tenant, meta.compat_key, int(meta.embedding.size)))
@@ -688,9 +693,11 @@ class SharedStore:
             return None
 
     @_available(list)
-    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10) -> list[tuple[EntryMeta, float]]:
+    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
+               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
         """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, best first (ties: older
-        first). This replica's index is first brought up to date with PostgreSQL."""
+        first); with ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best
+        first. This replica's index is first brought up to date with PostgreSQL."""
         _check_scope(tenant, compat_key)
         if k <= 0:
             return []
@@ -703,6 +710,12 @@ class SharedStore:
                 raise CacheError(_dim_message(tenant, compat_key, dim, query.size))
             index = self._scope_index(c, tenant, compat_key, dim)
             hits = index.search(query, k)
+            if content_key is not None:
+                seen = {h[0] for h in hits}
+                same = [r[0] for r in c.execute(
+                    "SELECT id FROM entries WHERE tenant = %s AND compat_key = %s AND content_key = %s "
+                    "ORDER BY seq DESC LIMIT %s", (tenant, compat_key, content_key, k + len(hits)))]
+                hits += index.score([i for i in same if i not in seen][:k], query)
             metas = self._get_many(c, [h[0] for h in hits])
         return [(metas[i], score) for i, score in hits if i in metas]
 
@@ -884,13 +897,14 @@ class SharedStore:
 
 
 def _to_meta(row: Any) -> EntryMeta:
-    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, lay) = row
+    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, lay, content) = row
     return EntryMeta(
         id=str(id_), tenant=str(tenant), compat_key=str(ck), exact_key=ek, prompt=str(prompt), negative_prompt=neg,
         seed=None if seed is None else int(seed), created=float(created), last_used=float(last_used),
         use_count=int(use_count), steps_saved=float(steps_saved), nbytes=int(nbytes),
         embedding=np.frombuffer(bytes(emb), dtype="<f4").astype(np.float32),
         extra=json.loads(extra) if extra else {}, tensor_names=tuple(sorted(json.loads(lay)["tensors"])),
+        content_key=content,
     )
 
 

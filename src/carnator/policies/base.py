@@ -61,6 +61,11 @@ class Policy(ABC):
         """How many recalled candidates :meth:`decide` sees (0: no recall)."""
         return 0
 
+    def recall_by_content(self) -> bool:
+        """Whether recall also returns the entries that ask what the request asks (its content key), beyond the
+        :meth:`recall_k` nearest (:meth:`~carnator.cache.CacheStore.recall`)."""
+        return False
+
     def probe_spec(self) -> ProbeSpec | None:
         """The dense probe this policy reads (None: no probe)."""
         return None

@@ -43,6 +43,9 @@ class CarnatorConfig:
     """Every knob of the method. Paper values are marked; others are chosen defaults (docs/METHOD.md).
 
     top_k: recalled candidates (paper: 10).
+    content_recall: recall also returns the cached entries that ask what the request asks (the same content key,
+        :func:`carnator.cache.keys.content_key`) beyond the ``top_k`` nearest sentences, when the thresholds read
+        content: a rewording finds its source however far its sentence embedding lies (default on; not in the paper).
     tested: how many of the recalled candidates that pass the noun filter the compatibility test tries, in recall
         order, the first compatible winning (paper: all; None = all). Default 1: thresholds are certified on one
         (query, cached request) pair at a time, and every further candidate tried is one more chance for an
@@ -82,6 +85,7 @@ class CarnatorConfig:
     """
 
     top_k: int = 10
+    content_recall: bool = True
     tested: int | None = 1
     probe_steps: int = 4
     probe_layer: int | None = None
@@ -188,6 +192,9 @@ class CarnatorPolicy(Policy):
     # ---- what the engine runs ----------------------------------------------------------------------------
     def recall_k(self) -> int:
         return self.cfg.top_k
+
+    def recall_by_content(self) -> bool:
+        return self.cfg.content_recall and not math.isinf(self.tau.content)
 
     def probe_spec(self) -> ProbeSpec:
         c = self.cfg

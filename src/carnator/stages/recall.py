@@ -8,8 +8,14 @@ from ..cache.protocol import CacheStore
 from ..plan import Candidate
 
 
-def recall(store: CacheStore, tenant: str, compat_key: str, embedding: np.ndarray, k: int) -> tuple[Candidate, ...]:
-    """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding``, nearest first (none for ``k <= 0``)."""
+def recall(store: CacheStore, tenant: str, compat_key: str, embedding: np.ndarray, k: int,
+           content_key: str | None = None) -> tuple[Candidate, ...]:
+    """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding``, nearest first (none for ``k <= 0``); with
+    ``content_key``, then up to ``k`` more entries that ask the same (:meth:`CacheStore.recall`)."""
     if k <= 0:
         return ()
-    return tuple(Candidate(meta, float(sim)) for meta, sim in store.recall(tenant, compat_key, embedding, k=k))
+    if content_key is None:
+        found = store.recall(tenant, compat_key, embedding, k=k)
+    else:
+        found = store.recall(tenant, compat_key, embedding, k=k, content_key=content_key)
+    return tuple(Candidate(meta, float(sim)) for meta, sim in found)
