@@ -5,6 +5,8 @@
 #   bash lab/scripts/levers_device.sh OUT sources          # levers_sources.py: A (same-content sources judged), B (own sample, 8 prompts)
 #   [VARIANTS=...] [SOURCES=0] bash lab/scripts/levers_device.sh OUT stream SECONDS   # levers_stream.py W = 1,000 / S = 300: dense and
 #        VARIANTS (default shipped,gate,fast), with levers_sources.py (A and B) beside it unless SOURCES=0
+#   bash lab/scripts/levers_device.sh OUT content          # the pairs recall by content adds (levers_content_pairs.py draw,
+#        .cache/dev/content-pairs.jsonl): `carnator calibrate` rows, and their sources judged (levers_sources.py A)
 set -u
 out=$1; mode=$2; budget=${3:-480}
 rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk
@@ -17,5 +19,22 @@ case $mode in
   stream) python3 lab/scripts/levers_stream.py --out "$out/stream" --warm 1000 --test 300 --jobs 14 \
              --variants "${VARIANTS:-shipped,gate,fast}" --budget "$budget" \
              $([ "${SOURCES:-1}" = 1 ] && echo --sources .cache/dev/pairs3000.jsonl --sources-jobs 4 --own-n 8) 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
+  content)
+    # the shapes judge by name in calibrate's spawned workers: carnator-lab's entry point, as `pip install ./lab` declares it
+    d=/tmp/dpk/carnator_lab_shim-0.dist-info; mkdir -p $d
+    printf 'Metadata-Version: 2.1\nName: carnator-lab-shim\nVersion: 0\n' > $d/METADATA
+    printf '[carnator.judges]\nshapes = carnator_lab.judge:ShapesJudge\n' > $d/entry_points.txt
+    n=$(wc -l < .cache/dev/content-pairs.jsonl)
+    python3 lab/scripts/levers_sources.py --pairs .cache/dev/content-pairs.jsonl --out "$out/content-sources" --jobs 4 --own-n 0 \
+      --root /tmp/content-sources 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" &
+    timeout -k 10 "$budget" python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate \
+      --pairs-file .cache/dev/content-pairs.jsonl --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 \
+      --device cuda --cuda-graphs --jobs 10 --cache-dir /tmp/content-cal-cache --out /tmp/content-cal 2>&1 \
+      | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" | tail -20
+    wait
+    mkdir -p "$out/content-cal"
+    python3 -c 'import json,sys; [print(l, end="") for l in open(sys.argv[1]) if l.endswith("\n") and json.loads(l)]' \
+      /tmp/content-cal/pairs.jsonl | gzip > "$out/content-cal/pairs.jsonl.gz"
+    cp /tmp/content-cal/*.json "$out/content-cal/" 2>/dev/null ;;
 esac
 echo "done in $(( $(date +%s) - t0 )) s"

@@ -10,7 +10,9 @@ runs beside the warm fill. Rows go to ``OUT/requests.jsonl`` as they finish; ``O
 
 Variants (``--variants``, comma-separated):
   content   the content rule (d_content = 0, signature thresholds off), every entry a source (no gate)
-  gate      the content rule, and only sources whose own clip passed the admission gate (lever 1 on top of lever 3)
+  gate      the content rule, and only sources whose own clip passed the admission gate (lever 1 on top of lever 3);
+            since 2026-12-06 07:40 UTC with recall by content (``CarnatorConfig.content_recall``, on by default)
+  topk      ``gate`` with recall by sentence only (the sentence top-10; ``gate`` before recall by content)
   fast      ``gate`` with the write-behind store and the probe skipped (``probe`` "auto"; lever 5)
   own       ``gate`` with ``own_sample`` 1 (lever 6)
   shipped   the shipped files with ``admitted_only`` off, i.e. ``thresholds-nogate.json`` (before 2026-12-06 04:27 UTC
@@ -43,6 +45,7 @@ from levers_sources import register_shapes  # noqa: E402
 VARIANTS = {
     "content": ({}, {"admitted_only": False}),
     "gate": ({}, {"admitted_only": True}),
+    "topk": ({}, {"admitted_only": True, "content_recall": False}),
     "fast": ({"write_behind": True}, {"admitted_only": True, "probe": "auto"}),
     "own": ({}, {"admitted_only": True, "own_sample": 1.0}),
     "shipped": ({}, {"admitted_only": False, "thresholds": None}),

@@ -1,0 +1,169 @@
+"""Issue 26: the calibration pairs that recall by content adds, and their certification beside the earlier rows.
+
+``draw``: over the same train-split stream the 2,933-pair calibration drew from (``stream_pairs(3000, MiniLM,
+warm=1000)``: ``world_trace(1000, 18050, seed=0, split="train")``, the same prefix of it), the pairs that the
+deployed policy now tests and the old draw did not: each stream request's first tested candidate as the carnator
+policy orders them (the sentence top-10 and, by content, the newest 10 warm requests asking the same; same-content
+candidates first, then recall order; the noun filter) where it is a same-content warm request other than the old
+draw's source. Writes them as a pairs file for ``carnator calibrate --pairs-file`` and ``levers_sources.py``.
+
+``certify``: the per-kind table of the content + gate rule on the earlier rows' certification split and every new row
+(the rule has no fitted parameter, so no new row is needed for selection), and ``--write`` a thresholds file.
+
+    python3 lab/scripts/levers_content_pairs.py draw --out PAIRS.jsonl
+    python3 lab/scripts/levers_content_pairs.py certify --new-rows R.jsonl.gz --new-pairs P.jsonl --new-sources S.jsonl.gz \
+        --pairs .cache/dev/pairs3000.jsonl [--write src/carnator/embedded/thresholds.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+LEXICON = ROOT / "src/carnator/embedded/lexicon.json"
+
+
+def draw(out: Path, n: int = 3000, warm: int = 1000, top_k: int = 10) -> None:
+    from carnator.calibration import _unit
+    from carnator.embed import default_embedder
+    from carnator.reuse import noun_diff
+    from carnator.signature.content import LexiconContent
+    from carnator_lab.traces import world_trace
+    from carnator_lab.world.captions import nouns
+
+    read = LexiconContent.from_file(LEXICON)
+    trace = world_trace(warm, 6 * n + 50, seed=0, split="train")
+    emb = default_embedder()
+    W, Q = _unit(emb, [r.prompt for r in trace.warm]), _unit(emb, [r.prompt for r in trace.test])
+    wn = [nouns(r.prompt) for r in trace.warm]
+    wc = [tuple(read(r.prompt)) for r in trace.warm]
+    by_content: dict[tuple, list[int]] = {}
+    for j, c in enumerate(wc):
+        by_content.setdefault(c, []).append(j)
+    old = new = 0
+    rows = []
+    for r, q in zip(trace.test, Q):
+        if old == n:
+            break
+        qn, qc = nouns(r.prompt), tuple(read(r.prompt))
+        sims = W @ q
+        top = list(np.argsort(-sims, kind="stable")[:top_k])
+        old_src = next((j for j in top if noun_diff(qn, wn[j]) is not None), None)
+        if old_src is not None and (trace.warm[old_src].prompt, trace.warm[old_src].seed) != (r.prompt, r.seed):
+            old += 1
+        extra = [j for j in by_content.get(qc, [])[-top_k:][::-1] if j not in top]   # newest 10 asking the same
+        extra.sort(key=lambda j: (-sims[j], j))
+        cands = [j for j in top + extra if noun_diff(qn, wn[j]) is not None or wc[j] == qc]
+        cands.sort(key=lambda j: wc[j] != qc)   # stable: same content first, recall order otherwise
+        if not cands or wc[cands[0]] != qc or cands[0] == old_src:
+            continue
+        s = trace.warm[cands[0]]
+        if (s.prompt, s.seed) == (r.prompt, r.seed):
+            continue
+        new += 1
+        rows.append({"kind": r.kind if r.source == cands[0] else f"{r.kind}/other", "source": s.prompt,
+                     "source_seed": s.seed, "target": r.prompt, "target_seed": r.seed,
+                     "found": "top-k" if cands[0] in top else "content"})
+    out.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    found = sum(x["found"] == "content" for x in rows)
+    print(f"{old} old-draw pairs over the stream prefix; {new} new pairs ({found} found by content beyond the top {top_k}, "
+          f"{new - found} same-content candidates in the top {top_k} the old draw passed over) -> {out}")
+
+
+def certify(args) -> None:
+    import math
+    import sys
+
+    sys.path.insert(0, str(ROOT / "lab/scripts"))
+    from levers_calibrate import GATE, ORDER
+
+    from carnator.calibration import calibration_pair
+    from carnator.judges import QualityRule
+    from carnator.reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, split_pairs
+    from carnator.reuse import stratified_certification
+    from carnator.signature.content import LexiconContent, change_kind, content_distance
+
+    rule = QualityRule({"fidelity": 0.25, "artifact": 0.1}, {"fidelity": 1, "artifact": -1})
+    read = LexiconContent.from_file(LEXICON)
+
+    def load(rows_path, pairs_path, sources_path, certification_only):
+        rows = sorted((r for r in (json.loads(x) for x in gzip.open(rows_path, "rt")) if r["hit"] and r["d"] is not None),
+                      key=lambda r: r["i"])
+        pairs = [json.loads(x) for x in Path(pairs_path).read_text().splitlines()]
+        text = gzip.open(sources_path, "rt").read() if str(sources_path).endswith(".gz") else Path(sources_path).read_text()
+        quality = {(q["source"], int(q["seed"])): q for q in map(json.loads, text.splitlines())}
+        keep = set(split_pairs(len(rows), CalibrationConfig())[1]) if certification_only else set(range(len(rows)))
+        out, kinds, missing = [], [], 0
+        for i, r in enumerate(rows):
+            if i not in keep:
+                continue
+            p = pairs[r["i"]]
+            assert p["source"] == r["source"] and p["target"] == r["target"], r["i"]
+            q = quality.get((r["source"], int(p["source_seed"])))
+            missing += q is None
+            ok = q is not None and q["fidelity"] >= GATE["fidelity"] and q["artifact"] <= GATE["artifact"]
+            d = content_distance(read(r["target"]), read(r["source"])) if ok else math.inf
+            base = calibration_pair(r, rule.label(r))
+            out.append(CalibrationPair(Discrepancies(**{**vars(base.d), "content": d}), base.acceptable, key=base.key))
+            kinds.append(change_kind(r["target"], r["source"], read(r["target"]), read(r["source"])))
+        return out, kinds, missing
+
+    old, ok_, m0 = load(args.rows, args.pairs, args.sources, True)
+    new, nk, m1 = load(args.new_rows, args.new_pairs, args.new_sources, False)
+    tau = Thresholds(math.inf, math.inf, math.inf, math.inf, math.inf, content=0.0)
+    tables = {"earlier rows (certification split)": stratified_certification(old, ok_, tau),
+              "new rows (recall by content)": stratified_certification(new, nk, tau),
+              "both": stratified_certification(old + new, ok_ + nk, tau)}
+    print(f"earlier {len(old)} rows ({m0} without a judged source); new {len(new)} rows ({m1} without a judged source)")
+    for name, table in tables.items():
+        print(f"\n## {name}\n| category | pairs | accepted | unsafe | 90 % bound | certified (<= 5 %) |\n|---|---|---|---|---|---|")
+        for k in ORDER + sorted(c for c in table if c not in ORDER and c != "all") + ["all"]:
+            if k in table:
+                t = table[k]
+                bound = "-" if t["bound"] is None else f"{100 * t['bound']:.1f} %"
+                cert = "no hit" if t["certified"] is None else ("yes" if t["certified"] else "**no**")
+                print(f"| {k} | {t['pairs']} | {t['accepted']} | {t['unsafe']} | {bound} | {cert} |")
+    if args.json:
+        args.json.write_text(json.dumps(tables, indent=1))
+    if args.write:
+        table = tables["both"]
+        doc = json.loads(args.write.read_text())
+        meta = dict(doc["meta"])
+        meta["certified"] = bool(all(t["certified"] is not False for t in table.values()) and table["all"]["certified"])
+        meta["per_category"] = table
+        meta["content_pairs"] = {"rows": str(args.new_rows), "pairs": str(args.new_pairs), "sources": str(args.new_sources),
+                                 "count": len(new), "drawn_by": "lab/scripts/levers_content_pairs.py draw"}
+        meta["certification_split"] = {**meta["certification_split"], "pairs": len(old) + len(new)}
+        meta["generated_by"] = "lab/scripts/levers_calibrate.py --write, per_category from levers_content_pairs.py certify"
+        tau.save(args.write, model_id=doc["model_id"], meta=meta, reading=doc.get("reading"))
+        print(f"\nwrote {args.write} (certified: {meta['certified']})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("draw")
+    d.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("certify")
+    c.add_argument("--rows", type=Path, default=ROOT / "lab/notebook/bench-embedded/calibration-h200-w1000-modifiers1-2933-pairs.jsonl.gz")
+    c.add_argument("--pairs", type=Path, default=ROOT / ".cache/dev/pairs3000.jsonl")
+    c.add_argument("--sources", type=Path, default=ROOT / "lab/notebook/bench-embedded/levers-h100-sources.jsonl.gz")
+    c.add_argument("--new-rows", type=Path, required=True)
+    c.add_argument("--new-pairs", type=Path, required=True)
+    c.add_argument("--new-sources", type=Path, required=True)
+    c.add_argument("--json", type=Path)
+    c.add_argument("--write", type=Path)
+    args = ap.parse_args()
+    if args.cmd == "draw":
+        draw(args.out)
+    else:
+        certify(args)
+
+
+if __name__ == "__main__":
+    main()
