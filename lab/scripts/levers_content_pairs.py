@@ -75,6 +75,10 @@ def draw(out: Path, n: int = 3000, warm: int = 1000, top_k: int = 10) -> None:
           f"{new - found} same-content candidates in the top {top_k} the old draw passed over) -> {out}")
 
 
+def _text(path: Path) -> str:
+    return gzip.open(path, "rt").read() if str(path).endswith(".gz") else Path(path).read_text()
+
+
 def certify(args) -> None:
     import math
     import sys
@@ -92,19 +96,18 @@ def certify(args) -> None:
     read = LexiconContent.from_file(LEXICON)
 
     def load(rows_path, pairs_path, sources_path, certification_only):
-        rows = sorted((r for r in (json.loads(x) for x in gzip.open(rows_path, "rt")) if r["hit"] and r["d"] is not None),
+        rows = sorted((r for r in map(json.loads, _text(rows_path).splitlines()) if r["hit"] and r["d"] is not None),
                       key=lambda r: r["i"])
-        pairs = [json.loads(x) for x in Path(pairs_path).read_text().splitlines()]
-        text = gzip.open(sources_path, "rt").read() if str(sources_path).endswith(".gz") else Path(sources_path).read_text()
-        quality = {(q["source"], int(q["seed"])): q for q in map(json.loads, text.splitlines())}
+        pairs = [json.loads(x) for x in _text(pairs_path).splitlines()]
+        quality = {(q["source"], int(q["seed"])): q for q in map(json.loads, _text(sources_path).splitlines())}
         keep = set(split_pairs(len(rows), CalibrationConfig())[1]) if certification_only else set(range(len(rows)))
         out, kinds, missing = [], [], 0
         for i, r in enumerate(rows):
             if i not in keep:
                 continue
-            p = pairs[r["i"]]
-            assert p["source"] == r["source"] and p["target"] == r["target"], r["i"]
-            q = quality.get((r["source"], int(p["source_seed"])))
+            p = pairs[r["i"]] if r["i"] < len(pairs) else None
+            matched = p is not None and p["source"] == r["source"] and p["target"] == r["target"]
+            q = quality.get((r["source"], int(p["source_seed"]))) if matched else None   # unmatched: fails the gate
             missing += q is None
             ok = q is not None and q["fidelity"] >= GATE["fidelity"] and q["artifact"] <= GATE["artifact"]
             d = content_distance(read(r["target"]), read(r["source"])) if ok else math.inf

@@ -7,12 +7,24 @@
 #        VARIANTS (default shipped,gate,fast), with levers_sources.py (A and B) beside it unless SOURCES=0
 #   bash lab/scripts/levers_device.sh OUT content          # the pairs recall by content adds (levers_content_pairs.py draw,
 #        .cache/dev/content-pairs.jsonl): `carnator calibrate` rows, and their sources judged (levers_sources.py A)
+#   [STEPS="40 45"] bash lab/scripts/levers_device.sh OUT tiers   # lever 2: same-content pairs (.cache/dev/tier-pairs.jsonl)
+#        calibrated at later resume steps
 set -u
 out=$1; mode=$2; budget=${3:-480}
 rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk
 export PYTHONPATH=$PWD/src:$PWD/lab/src:/tmp/dpk:$PWD/.cache/dev/py HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 t0=$(date +%s)
+# the shapes judge by name in calibrate's spawned workers: carnator-lab's entry point, as `pip install ./lab` declares it
+d=/tmp/dpk/carnator_lab_shim-0.dist-info; mkdir -p $d
+printf 'Metadata-Version: 2.1\nName: carnator-lab-shim\nVersion: 0\n' > $d/METADATA
+printf '[carnator.judges]\nshapes = carnator_lab.judge:ShapesJudge\n' > $d/entry_points.txt
+keep() {  # whole lines of a calibrate run's pairs.jsonl (a cut leaves a partial last line), gzipped into OUT/NAME
+  mkdir -p "$out/$2"
+  python3 -c 'import json,sys; [print(l, end="") for l in open(sys.argv[1]) if l.endswith("\n") and json.loads(l)]' \
+    "$1/pairs.jsonl" | gzip > "$out/$2/pairs.jsonl.gz"
+  cp "$1"/*.json "$out/$2/" 2>/dev/null
+}
 case $mode in
   sources) python3 lab/scripts/levers_sources.py --pairs .cache/dev/pairs3000.jsonl --out "$out/sources" --jobs 14 \
              --own-n 8 --same-content 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
@@ -20,10 +32,6 @@ case $mode in
              --variants "${VARIANTS:-shipped,gate,fast}" --budget "$budget" \
              $([ "${SOURCES:-1}" = 1 ] && echo --sources .cache/dev/pairs3000.jsonl --sources-jobs 4 --own-n 8) 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
   content)
-    # the shapes judge by name in calibrate's spawned workers: carnator-lab's entry point, as `pip install ./lab` declares it
-    d=/tmp/dpk/carnator_lab_shim-0.dist-info; mkdir -p $d
-    printf 'Metadata-Version: 2.1\nName: carnator-lab-shim\nVersion: 0\n' > $d/METADATA
-    printf '[carnator.judges]\nshapes = carnator_lab.judge:ShapesJudge\n' > $d/entry_points.txt
     n=$(wc -l < .cache/dev/content-pairs.jsonl)
     python3 lab/scripts/levers_sources.py --pairs .cache/dev/content-pairs.jsonl --out "$out/content-sources" --jobs 4 --own-n 0 \
       --root /tmp/content-sources 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" &
@@ -32,9 +40,18 @@ case $mode in
       --device cuda --cuda-graphs --jobs 10 --cache-dir /tmp/content-cal-cache --out /tmp/content-cal 2>&1 \
       | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" | tail -20
     wait
-    mkdir -p "$out/content-cal"
-    python3 -c 'import json,sys; [print(l, end="") for l in open(sys.argv[1]) if l.endswith("\n") and json.loads(l)]' \
-      /tmp/content-cal/pairs.jsonl | gzip > "$out/content-cal/pairs.jsonl.gz"
-    cp /tmp/content-cal/*.json "$out/content-cal/" 2>/dev/null ;;
+    keep /tmp/content-cal content-cal ;;
+  tiers)
+    # lever 2: the same-content pairs (.cache/dev/tier-pairs.jsonl: 200 of pairs3000's, 100 of content-pairs') reused
+    # from later resume steps, one calibrate run per step side by side
+    n=$(wc -l < .cache/dev/tier-pairs.jsonl)
+    for r in ${STEPS:-40 45}; do
+      timeout -k 10 "$budget" python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate \
+        --pairs-file .cache/dev/tier-pairs.jsonl --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 \
+        --device cuda --cuda-graphs --jobs ${JOBS:-7} --resume-step $r --cache-dir /tmp/tier$r-cache --out /tmp/tier$r \
+        > /tmp/tier$r.log 2>&1 &
+    done
+    wait
+    for r in ${STEPS:-40 45}; do tail -3 /tmp/tier$r.log; keep /tmp/tier$r tier$r; done ;;
 esac
 echo "done in $(( $(date +%s) - t0 )) s"

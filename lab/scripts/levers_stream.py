@@ -14,6 +14,7 @@ Variants (``--variants``, comma-separated):
             since 2026-12-06 07:40 UTC with recall by content (``CarnatorConfig.content_recall``, on by default)
   topk      ``gate`` with recall by sentence only (the sentence top-10; ``gate`` before recall by content)
   fast      ``gate`` with the write-behind store and the probe skipped (``probe`` "auto"; lever 5)
+  fast40    ``fast`` resuming at step 40 (fast45: 45) instead of 30 (lever 2: a later tier for same-content reuse)
   own       ``gate`` with ``own_sample`` 1 (lever 6)
   shipped   the shipped files with ``admitted_only`` off, i.e. ``thresholds-nogate.json`` (before 2026-12-06 04:27 UTC
             this was the shipped file itself, the same rule)
@@ -47,6 +48,8 @@ VARIANTS = {
     "gate": ({}, {"admitted_only": True}),
     "topk": ({}, {"admitted_only": True, "content_recall": False}),
     "fast": ({"write_behind": True}, {"admitted_only": True, "probe": "auto"}),
+    "fast40": ({"write_behind": True}, {"admitted_only": True, "probe": "auto", "resume_step": 40}),
+    "fast45": ({"write_behind": True}, {"admitted_only": True, "probe": "auto", "resume_step": 45}),
     "own": ({}, {"admitted_only": True, "own_sample": 1.0}),
     "shipped": ({}, {"admitted_only": False, "thresholds": None}),
 }
