@@ -70,6 +70,9 @@ def test_calibrate_on_a_tiny_wan_with_a_tiny_clip_writes_thresholds_bound_to_mod
     doc = json.loads((out / "thresholds.json").read_text())
     assert doc["meta"]["judge"] == judge.identity and doc["meta"]["rule"]["floors"] == {"ssim": 0.5}
     assert doc["reading"]["probe_steps"] == 4
+    # the step every pair reused from: what the file certifies, and so the step its reuse resumes at (lever 2)
+    assert doc["meta"]["resume"] == {"step": 5, "of": int(GEN[GEN.index("--steps") + 1]), "certified_steps": [5]}
+    assert {r["resume_step"] for r in rows} == {5}
 
     # resumable: a second run generates nothing (every pair is in pairs.jsonl) and selects the same thresholds
     code, stdout2, err = run(capsys, *argv)

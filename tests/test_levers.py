@@ -186,3 +186,41 @@ def test_own_sample_gives_a_reroll_its_own_clip(tmp_path):
     b = own.generate(SRC, seed=108, num_inference_steps=STEPS, store=False)
     assert a.stats.hit and b.stats.hit
     assert np.abs(a.frames - src[0]).mean() < np.abs(b.frames - src[0]).mean()
+
+
+def _tiered(tmp_path, resume: dict | None, **opts):
+    """An engine whose content-only thresholds file is certified (``meta.certified``) at ``resume`` (``meta.resume``)."""
+    eng0 = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c0", device="cpu", embedder=hashed_embedder(64))
+    path = tmp_path / "tiered.json"
+    meta = {"certified": True, **({"resume": resume} if resume else {})}
+    Thresholds(math.inf, math.inf, math.inf, math.inf, content=0.0).save(
+        path, model_id=eng0.model_identity, reading=eng0.policy("carnator").reading(), meta=meta)
+    cfg = EngineConfig(admission_judge="test-pass", policy_options={"carnator": {"thresholds": str(path), "probe": "auto", **opts}})
+    return Carnator(eng0.pipe, tmp_path / "cache", config=cfg, embedder=hashed_embedder(64), adapter=eng0.adapter)
+
+
+def test_the_resume_step_is_the_one_the_thresholds_file_is_certified_at_scaled_to_the_schedule(tmp_path):
+    # lever 2: certified at step 45 of 50 (and at 30): 45 of 50, round(45 * 32 / 50) = round(28.8) = 29 of 32, 9 of 10
+    tier = {"step": 45, "of": 50, "certified_steps": [30, 45]}
+    pol = _tiered(tmp_path / "a", tier).policy("carnator")
+    assert pol.certified and [pol.resume_at(n) for n in (50, 32, 10)] == [45, 29, 9]
+    assert pol.stored_steps(10) == {8, 9}   # a reuse at 9 reads traj.8 and blends with traj.9
+    # a file that names no step: 30, whatever the schedule (as before lever 2)
+    assert [_tiered(tmp_path / "b", None).policy("carnator").resume_at(n) for n in (50, 32)] == [30, 30]
+    # an explicit step wins; one the file was certified at keeps the certificate, another loses it, with the reason
+    assert _tiered(tmp_path / "c", tier, resume_step=30).policy("carnator").certified
+    other = _tiered(tmp_path / "d", tier, resume_step=40).policy("carnator")
+    assert other.resume_at(50) == 40 and not other.certified
+    assert "certified at resume steps [30, 45] of 50, not 40" in other.thresholds_source
+    with pytest.raises(ValueError, match="resume_step"):
+        _tiered(tmp_path / "e", tier, resume_step=0)
+
+
+def test_a_hit_resumes_at_the_files_step_and_entries_keep_only_the_latents_it_reads(tmp_path):
+    eng = _tiered(tmp_path, {"step": 8, "of": 10, "certified_steps": [8]})   # 8 of 10 is 6 of 8
+    a = eng.generate(SRC, seed=111, num_inference_steps=STEPS)
+    kept = sorted(k for k in eng.store.get(a.stats.entry_id).tensor_names if k.startswith("traj."))
+    assert kept == ["traj.5", "traj.6", "traj.7"]
+    b = eng.generate("footage of " + SRC + ", 4k", seed=112, num_inference_steps=STEPS, store=False)
+    assert b.stats.hit and b.stats.certified and b.stats.resume_step == 6
+    assert b.stats.dit_forwards == 2 * (STEPS - 6)   # steps 6 and 7, both guidance branches, no probe

@@ -26,7 +26,8 @@ from carnator.video import read_video
 KEYS = {"key-alpha-0001": "alpha", "key-bravo-0001": "bravo", "key-charlie-01": "charlie"}
 A, B, C = (f"Bearer {k}" for k in KEYS)
 PROMPT = "a small red ball moving left on grass"
-#: the carnator policy probes 4 steps and resumes at step 30: 32 steps make approximate hits possible
+#: the carnator policy probes 4 steps and resumes at step 29 (the shipped file's 45 of 50): 32 steps make approximate
+#: hits possible
 STEPS = 32
 
 
@@ -143,7 +144,7 @@ def test_another_tenants_prompt_is_a_miss_and_its_jobs_are_404(server, http):
     exact = wait(server, "key-alpha-0001", post(http, A, alpha).json()["id"])["stats"]
     reroll = wait(server, "key-alpha-0001", post(http, A, {**alpha, "seed": 6}).json()["id"])["stats"]
     assert exact["tier"] == "exact" and exact["steps_computed"] == 0
-    assert reroll["tier"] == "reuse" and reroll["resume_step"] == 30 and reroll["steps_computed"] < STEPS, reroll
+    assert reroll["tier"] == "reuse" and reroll["resume_step"] == 29 and reroll["steps_computed"] < STEPS, reroll
     assert reroll["speedup"] > 1 and reroll["seconds_saved"] > 0
 
 

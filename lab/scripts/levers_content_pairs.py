@@ -10,7 +10,14 @@ draw's source. Writes them as a pairs file for ``carnator calibrate --pairs-file
 ``certify``: the per-kind table of the content + gate rule on the earlier rows' certification split and every new row
 (the rule has no fitted parameter, so no new row is needed for selection), and ``--write`` a thresholds file.
 
+``tiers``: the pairs the shipped rule accepts (same content, the source's own clip passed the admission gate), drawn
+from both lists above, at most ``--per-kind`` of each kind of change (seeded), for ``carnator calibrate --resume-step R``:
+lever 2 certifies a later resume step for exactly the hits the rule makes. ``tier-certify``: their per-kind table from
+the ``calibrate --resume-step`` rows, and ``--write`` the step into a thresholds file's ``meta.resume``.
+
     python3 lab/scripts/levers_content_pairs.py draw --out PAIRS.jsonl
+    python3 lab/scripts/levers_content_pairs.py tiers --out TIER-PAIRS.jsonl [--per-kind 80]
+    python3 lab/scripts/levers_content_pairs.py tier-certify --rows ROWS.jsonl.gz --step 45 [--write THRESHOLDS.json]
     python3 lab/scripts/levers_content_pairs.py certify --new-rows R.jsonl.gz --new-pairs P.jsonl --new-sources S.jsonl.gz \
         --pairs .cache/dev/pairs3000.jsonl [--write src/carnator/embedded/thresholds.json]
 """
@@ -73,6 +80,43 @@ def draw(out: Path, n: int = 3000, warm: int = 1000, top_k: int = 10) -> None:
     found = sum(x["found"] == "content" for x in rows)
     print(f"{old} old-draw pairs over the stream prefix; {new} new pairs ({found} found by content beyond the top {top_k}, "
           f"{new - found} same-content candidates in the top {top_k} the old draw passed over) -> {out}")
+
+
+def tiers(args) -> None:
+    import sys
+
+    sys.path.insert(0, str(ROOT / "lab/scripts"))
+    from levers_calibrate import GATE
+
+    from carnator.signature.content import LexiconContent, change_kind, content_distance
+
+    read = LexiconContent.from_file(LEXICON)
+    by_kind: dict[str, list[dict]] = {}
+    for pairs_path, sources_path in ((args.pairs, args.sources), (args.new_pairs, args.new_sources)):
+        quality = {(q["source"], int(q["seed"])): q for q in map(json.loads, _text(sources_path).splitlines())}
+        for p in map(json.loads, _text(pairs_path).splitlines()):
+            q = quality.get((p["source"], int(p["source_seed"])))
+            if q is None or q["fidelity"] < GATE["fidelity"] or q["artifact"] > GATE["artifact"]:
+                continue
+            t, s = read(p["target"]), read(p["source"])
+            if content_distance(t, s) != 0 or (p["source"], p["source_seed"]) == (p["target"], p["target_seed"]):
+                continue
+            by_kind.setdefault(change_kind(p["target"], p["source"], t, s), []).append(p)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for kind in sorted(by_kind):
+        got = by_kind[kind]
+        pick = sorted(rng.choice(len(got), size=min(args.per_kind, len(got)), replace=False))
+        rows += [{**got[i], "kind": kind} for i in pick]
+        print(f"{kind}: {len(pick)} of {len(got)} accepted pairs")
+    rng.shuffle(rows)
+    args.out.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    print(f"{len(rows)} pairs -> {args.out}")
+
+
+def _rel(path: Path) -> str:
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
 
 
 def _text(path: Path) -> str:
@@ -147,6 +191,40 @@ def certify(args) -> None:
         print(f"\nwrote {args.write} (certified: {meta['certified']})")
 
 
+def tier_certify(args) -> None:
+    """Lever 2: the per-kind certificate of the rule's hits reused from ``--step`` (``carnator calibrate --resume-step``
+    rows of the ``tiers`` pairs; every one is a hit the rule makes, so each is in the certification), and ``--write``:
+    the thresholds file's ``meta.resume`` names the step as its default and adds it to the certified steps."""
+    import math
+
+    from carnator.reuse import CalibrationPair, Discrepancies, Thresholds, stratified_certification
+
+    pairs = [json.loads(x) for x in _text(args.pairs).splitlines()]
+    rows = [r for r in map(json.loads, _text(args.rows).splitlines()) if r["hit"]]
+    bad = [r["i"] for r in rows if r["resume_step"] != args.step or (pairs[r["i"]]["source"], pairs[r["i"]]["target"]) != (r["source"], r["target"])]
+    if bad:
+        raise SystemExit(f"rows {bad[:5]} are not the pairs file's, reused from step {args.step}")
+    cal = [CalibrationPair(Discrepancies(0.0, 0.0, 0.0, 0.0, 0.0), bool(r["acceptable"])) for r in rows]
+    kinds = [pairs[r["i"]]["kind"] for r in rows]
+    table = stratified_certification(cal, kinds, Thresholds(math.inf, math.inf, math.inf, math.inf, math.inf))
+    print(f"{len(rows)} hits of {len(pairs)} pairs, reused from step {args.step}")
+    print("| category | hits | unsafe | 90 % bound | certified (<= 5 %) |\n|---|---|---|---|---|")
+    for k, t in table.items():
+        print(f"| {k} | {t['accepted']} | {t['unsafe']} | {100 * t['bound']:.1f} % | {'yes' if t['certified'] else '**no**'} |")
+    if args.write:
+        doc = json.loads(args.write.read_text())
+        meta = dict(doc["meta"])
+        ok = all(t["certified"] for t in table.values())
+        old = meta.get("resume") or {"step": 30, "of": 50, "certified_steps": [30]}
+        steps = sorted({*old.get("certified_steps", [old["step"]]), *([args.step] if ok else [])})
+        meta["resume"] = {"step": args.step if ok else old["step"], "of": old["of"], "certified_steps": steps,
+                          f"at_{args.step}": {"per_category": table, "rows": _rel(args.rows), "pairs": _rel(args.pairs),
+                                              "drawn_by": "lab/scripts/levers_content_pairs.py tiers",
+                                              "certified_by": "lab/scripts/levers_content_pairs.py tier-certify"}}
+        Thresholds.from_dict(doc["thresholds"]).save(args.write, model_id=doc["model_id"], meta=meta, reading=doc.get("reading"))
+        print(f"wrote {args.write}: resume {meta['resume']['step']} of {meta['resume']['of']}, certified at {steps}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -161,11 +239,22 @@ def main() -> None:
     c.add_argument("--new-sources", type=Path, required=True)
     c.add_argument("--json", type=Path)
     c.add_argument("--write", type=Path)
+    t = sub.add_parser("tiers")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--per-kind", type=int, default=80)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--pairs", type=Path, default=ROOT / ".cache/dev/pairs3000.jsonl")
+    t.add_argument("--sources", type=Path, default=ROOT / "lab/notebook/bench-embedded/levers-h100-sources.jsonl.gz")
+    t.add_argument("--new-pairs", type=Path, default=ROOT / "lab/notebook/bench-embedded/levers-content-pairs.jsonl.gz")
+    t.add_argument("--new-sources", type=Path,
+                   default=ROOT / "lab/notebook/bench-embedded/levers-content-pairs-h100-sources.jsonl.gz")
+    c2 = sub.add_parser("tier-certify")
+    c2.add_argument("--rows", type=Path, required=True)
+    c2.add_argument("--pairs", type=Path, default=ROOT / "lab/notebook/bench-embedded/levers-tier-pairs.jsonl.gz")
+    c2.add_argument("--step", type=int, required=True)
+    c2.add_argument("--write", type=Path)
     args = ap.parse_args()
-    if args.cmd == "draw":
-        draw(args.out)
-    else:
-        certify(args)
+    {"tier-certify": lambda: tier_certify(args), "draw": lambda: draw(args.out), "certify": lambda: certify(args), "tiers": lambda: tiers(args)}[args.cmd]()
 
 
 if __name__ == "__main__":

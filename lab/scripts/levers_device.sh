@@ -42,7 +42,7 @@ case $mode in
     wait
     keep /tmp/content-cal content-cal ;;
   tiers)
-    # lever 2: the same-content pairs (.cache/dev/tier-pairs.jsonl: 200 of pairs3000's, 100 of content-pairs') reused
+    # lever 2: the same-content pairs the shipped rule accepts (.cache/dev/tier-pairs.jsonl, levers_content_pairs.py tiers) reused
     # from later resume steps, one calibrate run per step side by side
     n=$(wc -l < .cache/dev/tier-pairs.jsonl)
     for r in ${STEPS:-40 45}; do

@@ -108,7 +108,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     drawn (recorded in pairs.meta.json with the policy's reading and the judge; a resumed run must match it).
     ``settings``: generation settings (height, width, num_frames, guidance_scale) for every request.
     ``shard=(k, n)``: only pairs k, k + n, ... and return None without selecting (a worker of ``--jobs n``)."""
-    from .policies.carnator import CarnatorConfig, CarnatorPolicy
+    from .policies.carnator import DEFAULT_RESUME_STEP, CarnatorConfig, CarnatorPolicy
 
     log_path = out_dir / "pairs.jsonl"
     generate = pairs is not None
@@ -118,7 +118,9 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     open_tau = out_dir / "open_thresholds.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=engine.model_identity)
     base = engine.policy("carnator").cfg
-    at = {"resume_step": resume_step} if resume_step else {}
+    # One resume step for every pair, named (not the thresholds file's own), and recorded with the thresholds it certifies.
+    at = {"resume_step": int(resume_step or base.resume_step or DEFAULT_RESUME_STEP)}
+    n_steps = engine.resolve("calibration", seed=0, num_inference_steps=steps, **dict(settings or {})).num_inference_steps
     forced = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), **at}))
     forced.name = "carnator-forced"
     engine.use_policy(forced)
@@ -210,6 +212,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     tau_path = out_dir / "thresholds.json"
     res.thresholds.save(tau_path, model_id=engine.model_identity, reading=reading,
                         meta={**res.to_dict(), "rule": rule.to_dict(), "judge": judge.identity,
+                              "resume": {"step": at["resume_step"], "of": n_steps, "certified_steps": [at["resume_step"]]},
                               "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text, "decision_rule": cfg.rule})
     summary = {"pairs": len(done), **drawn, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
                "rule": rule.to_dict(), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,

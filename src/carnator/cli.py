@@ -736,7 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--policy", choices=POLICIES, default="carnator", help="the policy the stream runs through (default: %(default)s)")
     d.add_argument("--steps", type=int, default=None,
                    help=lambda: f"denoising steps (default: the model's, {_embedded_default('num_inference_steps')}; the carnator "
-                                "policy resumes at step 30, so fewer steps give exact hits only)")
+                                "policy resumes at the step its thresholds file is certified at, 45 of 50 on the embedded model, scaled to fewer "
+                                "steps)")
     d.add_argument("--out", default="carnator-demo", help="output folder: clips, demo.json, index.html (default: ./%(default)s)")
     d.add_argument("--keep-cache", action="store_true",
                    help="start from what OUT/cache holds from an earlier run (the demo then says it replays)")
@@ -761,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--height", type=int, default=None, help="clip height (default: the model's)")
     k.add_argument("--width", type=int, default=None, help="clip width (default: the model's)")
     k.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
-    k.add_argument("--resume-step", type=int, default=None, help="the step a reuse resumes at (default: the policy's, 30)")
+    k.add_argument("--resume-step", type=int, default=None, help="the step a reuse resumes at (default: the policy's own setting, else 30); recorded in the thresholds file")
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
     k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",

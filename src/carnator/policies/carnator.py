@@ -36,6 +36,8 @@ SHIPPED_THRESHOLDS = Path(__file__).resolve().parent.parent / "embedded" / "thre
 #: the embedded model's file for an engine without the admission gate the shipped file needs (carnator-lab's ``shapes``
 #: judge not installed, or ``admitted_only`` off): certified on its own, it reuses re-rolls only
 SHIPPED_THRESHOLDS_NOGATE = SHIPPED_THRESHOLDS.with_name("thresholds-nogate.json")
+#: the resume step when neither the configuration nor the thresholds file names one (of any number of steps)
+DEFAULT_RESUME_STEP = 30
 
 
 @dataclass
@@ -55,7 +57,10 @@ class CarnatorConfig:
     modifiers: each noun's evidence is read from its own tokens plus those of up to this many words modifying it
         ("big red ball": 2; paper: the noun's tokens, 0). Default 1: on the embedded model it localises objects better
         and the shipped thresholds are calibrated with it (docs/METHOD.md).
-    resume_step: first step taken from the cached trajectory (paper: not given; default 30 of 50).
+    resume_step: first step taken from the cached trajectory (paper: not given). None (default): the step the
+        thresholds file was certified at (``meta.resume``, e.g. 45 of 50; issue 26's lever 2), scaled to the request's
+        number of steps (45 of 50 is 29 of 32); a file that names none, or the paper's thresholds: 30. A step the file
+        was not certified at (``meta.resume.certified_steps``) makes its reuse uncertified.
     window: fraction of layers [start, end) where only Active tokens are recomputed (paper: 6..25 of 30 layers,
         i.e. (0.2, 0.867)).
     sparse: capture of this request's block masks and reuse of the source's (PAPER step 9); ``sparse.apply`` says
@@ -90,7 +95,7 @@ class CarnatorConfig:
     probe_steps: int = 4
     probe_layer: int | None = None
     modifiers: int = 1
-    resume_step: int = 30
+    resume_step: int | None = None
     window: tuple[float, float] = (0.2, 0.867)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     region: RegionConfig = field(default_factory=RegionConfig)
@@ -114,6 +119,8 @@ class CarnatorConfig:
             raise ValueError(f"CarnatorConfig.tested must be >= 1 or None (all), got {self.tested}")
         if self.probe_steps < 1:
             raise ValueError(f"CarnatorConfig.probe_steps must be >= 1, got {self.probe_steps}")
+        if self.resume_step is not None and (not isinstance(self.resume_step, int) or self.resume_step < 1):
+            raise ValueError(f"CarnatorConfig.resume_step must be an integer >= 1 or None, got {self.resume_step!r}")
         self.window = tuple(self.window)
         # Nested settings may come as plain dicts (EngineConfig.policy_options read from JSON or a CLI).
         for name, klass in (("sparse", SparseConfig), ("region", RegionConfig), ("scope", ScopeConfig), ("compat", CompatConfig)):
@@ -133,6 +140,8 @@ class CarnatorPolicy(Policy):
         #: whether ``tau`` was certified (``carnator calibrate``) for this model and reading
         self.certified = False
         self.thresholds_source = "the paper's thresholds (uncertified)"
+        #: the thresholds file's ``meta.resume`` ({"step", "of", "certified_steps"}); None: the file names none
+        self.certified_resume: dict | None = None
         if self.cfg.thresholds is not None and not Path(self.cfg.thresholds).is_file():
             raise CarnatorError(f"thresholds file {self.cfg.thresholds} does not exist")
 
@@ -145,6 +154,7 @@ class CarnatorPolicy(Policy):
     def prepare(self, model: ModelInfo) -> None:
         """Load the thresholds: the configured file (refused for another model or reading), else the shipped file for
         the embedded model, else the paper's."""
+        self.certified_resume = None
         path = self.cfg.thresholds
         if path is not None:
             self._load(path, model)
@@ -180,12 +190,20 @@ class CarnatorPolicy(Policy):
         self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading(), judge=self.cfg.judge)
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
+        resume = meta.get("resume")
+        self.certified_resume = dict(resume) if isinstance(resume, dict) and resume.get("step") and resume.get("of") else None
         why = ""
         needs = self._gate_missing(meta, model)
         if needs:
             # The certificate holds for sources that passed this gate; without it (or with a looser one) it does not.
             self.certified = False
             why = f"; certified only with the admission gate {needs}, which this engine does not apply"
+            log.warning("thresholds %s%s", path, why)
+        steps = None if self.certified_resume is None else self.certified_resume.get("certified_steps", [self.certified_resume["step"]])
+        if self.certified and self.cfg.resume_step is not None and steps is not None and self.cfg.resume_step not in steps:
+            # A later resume step recomputes less: the certificate of one step says nothing of another.
+            self.certified = False
+            why += f"; certified at resume steps {steps} of {self.certified_resume['of']}, not {self.cfg.resume_step}"
             log.warning("thresholds %s%s", path, why)
         self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'}{why})"
 
@@ -203,13 +221,18 @@ class CarnatorPolicy(Policy):
     def sparse_config(self) -> SparseConfig:
         return self.cfg.sparse
 
-    def resume_at(self) -> int:
-        """The step a reuse resumes at: the resume step, never inside the probe."""
-        return max(self.cfg.resume_step, self.cfg.probe_steps)
+    def resume_at(self, num_steps: int) -> int:
+        """The step a reuse of a ``num_steps``-step request resumes at: the configured step, else the thresholds file's
+        certified step scaled to ``num_steps``, else 30; never inside the probe."""
+        r = self.cfg.resume_step
+        if r is None:
+            at = self.certified_resume
+            r = DEFAULT_RESUME_STEP if at is None else int(round(at["step"] * num_steps / at["of"]))
+        return max(r, self.cfg.probe_steps)
 
     def stored_steps(self, num_steps: int) -> set[int]:
         # A reuse resumes at r and blends with the source's latents after every later step: traj.{r-1} .. traj.{n-1}.
-        return set(range(self.resume_at() - 1, num_steps))
+        return set(range(self.resume_at(num_steps) - 1, num_steps))
 
     def uses_signature(self) -> bool:
         """Whether the thresholds read any Early Signature dimension (else a content-only rule: no probe needed)."""
@@ -260,7 +283,8 @@ class CarnatorPolicy(Policy):
         c = cands[0][0]
         if inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) > self.tau.content:
             return None  # it asks for something else: it fails the test
-        r, n = self.resume_at(), inputs.num_steps
+        n = inputs.num_steps
+        r = self.resume_at(n)
         names = [f"traj.{i}" for i in range(r - 1, n)] + [EVIDENCE_PREFIX + w for w in c.meta.extra.get("nouns", [])]
         if inputs.sparse is not None:
             names += [k for k in getattr(c.meta, "tensor_names", ()) if k.startswith(MASK_PREFIX)]
@@ -283,8 +307,9 @@ class CarnatorPolicy(Policy):
             if self.cfg.admitted_only and any(c.meta.extra.get("admitted") is False for c in inputs.candidates):
                 why += " among those whose own clip passed the admission judge"
             return Decision.miss(why, details=notes)
-        if self.resume_at() >= inputs.num_steps:
-            return Decision.miss(f"the resume step {self.resume_at()} is not inside the {inputs.num_steps} steps", details=notes)
+        if self.resume_at(inputs.num_steps) >= inputs.num_steps:
+            return Decision.miss(f"the resume step {self.resume_at(inputs.num_steps)} is not inside the {inputs.num_steps} steps",
+                                 details=notes)
         tested = []
         for c, diff in cands[: self.cfg.tested]:
             try:
@@ -323,7 +348,7 @@ class CarnatorPolicy(Policy):
         if not decision.reuse:
             return ReusePlan(capture=inputs.sparse)
         cfg, n = self.cfg, inputs.num_steps
-        r = decision.resume_step or self.resume_at()
+        r = decision.resume_step or self.resume_at(n)
         # Target region: the query's region of the substituted noun and the source's region of its noun (so the old
         # object is recomputed, not kept as a ghost); with no substitution, every noun's.
         sub = decision.details.get("substituted")
