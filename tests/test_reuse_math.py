@@ -538,6 +538,7 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
 
     engine = _fake_engine()
     engine.generate, engine.store = generate, SimpleNamespace(clear=lambda tenant: None)
+    engine.resolve = lambda prompt, *, seed, tenant, num_inference_steps=None: SimpleNamespace(num_inference_steps=50)
     kw = {"judge": FakeJudge(), "rule": _rule(), "source": {"pairs_from": "test"}, "progress": lambda *_: None}
     assert run_calibration(engine, tmp_path, pairs, shard=(1, 2), **kw) is None
     assert sorted({i for i, _ in calls}) == [1, 3] and not (tmp_path / "thresholds.json").exists()
@@ -547,6 +548,9 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
     assert len(calls) == 3 * len(pairs)                      # nothing generated again
     assert got["pairs"] == got["reusable_pairs"] == got["acceptable"] == len(pairs)
     assert sorted(json.loads(x)["i"] for x in (tmp_path / "pairs.jsonl").read_text().splitlines()) == list(range(len(pairs)))
+    # every reuse resumed at step 20 of 50: the file certifies that step
+    meta = json.loads((tmp_path / "thresholds.json").read_text())["meta"]
+    assert meta["resume"] == {"step": 20, "of": 50, "certified_steps": [20]}
 
 
 def test_calibration_without_reusable_pairs_is_a_clear_error(tmp_path):

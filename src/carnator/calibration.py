@@ -118,9 +118,9 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     open_tau = out_dir / "open_thresholds.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=engine.model_identity)
     base = engine.policy("carnator").cfg
-    # One resume step for every pair, named (not the thresholds file's own), and recorded with the thresholds it certifies.
-    at = {"resume_step": int(resume_step or base.resume_step or DEFAULT_RESUME_STEP)}
-    n_steps = engine.resolve("calibration", seed=0, num_inference_steps=steps, **dict(settings or {})).num_inference_steps
+    # One resume step for every pair, named (not the thresholds file's own), and recorded with the thresholds it certifies;
+    # the probe on every request, so that every pair's discrepancies are measured whatever the thresholds read.
+    at = {"resume_step": int(resume_step or base.resume_step or DEFAULT_RESUME_STEP), "probe": "always"}
     forced = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), **at}))
     forced.name = "carnator-forced"
     engine.use_policy(forced)
@@ -185,7 +185,8 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
                                "dit": sum(r.stats.timings.get("dit", 0.0) for r in (source_res, dense, reuse))},
                    # the plan's parameters (bench-scale replays these at real sizes)
                    "resume_step": reuse.stats.resume_step, "active_fraction": reuse.stats.active_fraction,
-                   "mask_density": reuse.stats.mask_density}
+                   "mask_density": reuse.stats.mask_density,
+                   "num_steps": engine.resolve(tgt, seed=t_seed, tenant=tenant, **kw).num_inference_steps}
             # Both Early Signatures, so that other discrepancy definitions can be evaluated on these rows offline.
             src_meta = engine.store.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
             row["signatures"] = {"query": reuse.stats.notes.get("signature"),
@@ -210,9 +211,15 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     cal_pairs = [calibration_pair(r) for r in rows]
     res = calibrate(cal_pairs, cfg)
     tau_path = out_dir / "thresholds.json"
+    # The step the certified reuses resumed at, of how many: the step a policy loading the file resumes at. Rows of
+    # mixed steps (or from before rows recorded them) certify none in particular, and the file names none.
+    at_steps = {(r.get("resume_step"), r.get("num_steps")) for r in rows}
+    resume = {}
+    if len(at_steps) == 1 and None not in next(iter(at_steps)):
+        r_step, r_of = next(iter(at_steps))
+        resume = {"resume": {"step": int(r_step), "of": int(r_of), "certified_steps": [int(r_step)]}}
     res.thresholds.save(tau_path, model_id=engine.model_identity, reading=reading,
-                        meta={**res.to_dict(), "rule": rule.to_dict(), "judge": judge.identity,
-                              "resume": {"step": at["resume_step"], "of": n_steps, "certified_steps": [at["resume_step"]]},
+                        meta={**res.to_dict(), "rule": rule.to_dict(), "judge": judge.identity, **resume,
                               "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text, "decision_rule": cfg.rule})
     summary = {"pairs": len(done), **drawn, "reusable_pairs": len(rows), "acceptable": sum(r["acceptable"] for r in rows),
                "rule": rule.to_dict(), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,

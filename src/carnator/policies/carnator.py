@@ -83,10 +83,11 @@ class CarnatorConfig:
         request's own seed noise (exact flow-matching state ``(1 - s) x0 + s e``), so a new seed gives a new sample
         that keeps the source's layout. Between: the noise is ``a e_request + sqrt(1 - a^2) e_source`` (``e_source``
         the noise implied by the source's latent at that step). Default 0.
-    probe: "always" (default, the paper): the dense probe runs on every request, so every entry carries its
-        signature and evidence for later requests whatever their thresholds read. "auto" skips the probe when the
-        thresholds read no signature dimension (a content-only file): the request then runs its steps as dense does and
-        a hit resumes without probe steps, but its entry carries no signature or evidence (not in the paper).
+    probe: "auto" (default; not in the paper) skips the probe when the thresholds decide by content alone (a
+        content threshold and no signature dimension, as the embedded model's shipped file): the request then runs its steps as dense does and a
+        hit resumes without probe steps, but its entry carries no signature or evidence, so thresholds that read one
+        later cannot reuse it. "always" (the paper): the dense probe runs on every request, so every entry carries its
+        signature and evidence whatever later thresholds read.
     """
 
     top_k: int = 10
@@ -106,7 +107,7 @@ class CarnatorConfig:
     prefetch: bool = True
     admitted_only: bool = True
     own_sample: float = 0.0
-    probe: str = "always"
+    probe: str = "auto"
 
     def __post_init__(self) -> None:
         if self.probe not in ("auto", "always"):
@@ -239,14 +240,20 @@ class CarnatorPolicy(Policy):
         t = self.tau
         return t.risk is not None or any(not math.isinf(getattr(t, k)) for k in ("context", "size", "shape", "color"))
 
+    def content_only(self) -> bool:
+        """Whether the thresholds decide by content alone (a content threshold, no signature dimension): a hit then asks
+        the same as its source and recomputes the whole frame, so neither the decision nor the plan reads the probe."""
+        return not self.uses_signature() and not math.isinf(self.tau.content)
+
     def probe_needed(self, inputs: DecisionInputs) -> bool:
-        """Whether this request's probe can change the decision (``CarnatorConfig.probe``); the engine asks after
-        recall and skips the probe when not."""
+        """Whether this request's probe can change the decision or the plan (``CarnatorConfig.probe``); the engine
+        asks after recall and skips the probe when not."""
         if self.cfg.probe == "always":
             return True
         # With thresholds that read a signature the probe always runs: its signature is stored with the entry, and a
-        # later request's test needs it even when this request has no candidate.
-        return self.uses_signature()
+        # later request's test needs it even when this request has no candidate. Without a content threshold either
+        # (open thresholds), the plan's target region is the probe's evidence.
+        return not self.content_only()
 
     def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None):
         """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds
