@@ -18,6 +18,8 @@ Variants (``--variants``, comma-separated):
   own       ``gate`` with ``own_sample`` 1 (lever 6)
   shipped   the shipped files with ``admitted_only`` off, i.e. ``thresholds-nogate.json`` (before 2026-12-06 04:27 UTC
             this was the shipped file itself, the same rule)
+  default   what a user gets: the shipped (gated) file at its certified resume step (45 of 50), every setting default
+            (since 2026-12-06 17:20 UTC the probe is skipped under a content-only file by default)
   nirvana   the NIRVANA baseline (its entries are filled into the same warm cache beside carnator's)
 
     python3 lab/scripts/levers_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
@@ -44,14 +46,15 @@ sys.path.insert(0, str(HERE))
 from levers_sources import register_shapes  # noqa: E402
 
 VARIANTS = {
-    "content": ({}, {"admitted_only": False}),
-    "gate": ({}, {"admitted_only": True}),
-    "topk": ({}, {"admitted_only": True, "content_recall": False}),
+    "content": ({}, {"admitted_only": False, "probe": "always"}),
+    "gate": ({}, {"admitted_only": True, "probe": "always"}),
+    "topk": ({}, {"admitted_only": True, "content_recall": False, "probe": "always"}),
     "fast": ({"write_behind": True}, {"admitted_only": True, "probe": "auto"}),
     "fast40": ({"write_behind": True}, {"admitted_only": True, "probe": "auto", "resume_step": 40}),
     "fast45": ({"write_behind": True}, {"admitted_only": True, "probe": "auto", "resume_step": 45}),
-    "own": ({}, {"admitted_only": True, "own_sample": 1.0}),
+    "own": ({}, {"admitted_only": True, "own_sample": 1.0, "probe": "always"}),
     "shipped": ({}, {"admitted_only": False, "thresholds": None}),
+    "default": ({}, {"thresholds": None}),
 }
 
 
@@ -71,7 +74,8 @@ def fill(args):
     from carnator.bench.traces import Trace
 
     trace = Trace.load(trace_path)
-    eng = engine(cache, device)
+    # entries every variant can reuse: a signature (the probe) and the latents from step 29 on
+    eng = engine(cache, device, probe="always", resume_step=30)
     for r in trace.warm[k::n]:
         for policy in policies:
             eng.generate(r.prompt, seed=r.seed, policy=policy, cache="off")
