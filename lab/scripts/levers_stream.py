@@ -191,6 +191,9 @@ def main() -> None:
     ap.add_argument("--own-n", type=int, default=0, help="levers_sources.py part B's prompts, beside the warm fill")
     ap.add_argument("--summarize-only", action="store_true")
     ap.add_argument("--budget", type=float, default=math.inf, help="seconds from the start after which streams stop")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one stream at a time (each alone on the machine: no stream's timings share it with another's)")
+    ap.add_argument("--keep-warm", action="store_true", help="reuse ROOT/warm from an earlier run of the same trace")
     args = ap.parse_args()
     from carnator.judges import QualityRule
 
@@ -203,8 +206,14 @@ def main() -> None:
         from carnator.reuse import Thresholds
         from carnator_lab.traces import world_trace
 
-        shutil.rmtree(args.root, ignore_errors=True)
-        args.root.mkdir(parents=True)
+        warm = args.root / "warm"
+        keep = args.keep_warm and warm.is_dir()
+        if keep:
+            for old in args.root.glob("c-*"):
+                shutil.rmtree(old)
+        else:
+            shutil.rmtree(args.root, ignore_errors=True)
+            args.root.mkdir(parents=True)
         trace_path = args.root / "trace.json"
         world_trace(args.warm, args.test, seed=0).save(trace_path)
         t0 = time.time()
@@ -213,7 +222,6 @@ def main() -> None:
             side = subprocess.Popen([sys.executable, str(HERE / "levers_sources.py"), "--pairs", str(args.sources), "--out",
                                      str(args.out), "--jobs", str(args.sources_jobs), "--own-n", str(args.own_n), "--device", args.device,
                                      "--root", str(args.root / "sources"), "--same-content"])
-        warm = args.root / "warm"
         probe = engine(args.root / "probe", args.device)
         tau_path = args.root / "content.json"
         Thresholds(math.inf, math.inf, math.inf, math.inf, content=0.0).save(
@@ -221,11 +229,12 @@ def main() -> None:
         del probe
         ctx = mp.get_context("spawn")
         # one process writes the index first (creates the cache), then the rest join
-        with ctx.Pool(args.jobs) as pool:
-            fills = ["carnator", "nirvana"] if "nirvana" in names else ["carnator"]
-            list(pool.imap_unordered(fill, [(k, args.jobs, str(trace_path), str(warm), args.device, fills)
-                                            for k in range(args.jobs)]))
-        print(f"warm cache filled in {time.time() - t0:.0f}s", flush=True)
+        if not keep:
+            with ctx.Pool(args.jobs) as pool:
+                fills = ["carnator", "nirvana"] if "nirvana" in names else ["carnator"]
+                list(pool.imap_unordered(fill, [(k, args.jobs, str(trace_path), str(warm), args.device, fills)
+                                                for k in range(args.jobs)]))
+            print(f"warm cache filled in {time.time() - t0:.0f}s", flush=True)
         procs = []
         for name in names:
             cache = args.root / f"c-{name}"
@@ -235,6 +244,8 @@ def main() -> None:
                                                  t0 + args.budget))
             p.start()
             procs.append(p)
+            if args.sequential:
+                p.join()
         for p in procs:
             p.join()
         print(f"test streams run in {time.time() - t0:.0f}s", flush=True)
