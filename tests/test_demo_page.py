@@ -75,7 +75,8 @@ def test_demo_page_in_chromium(browser, tmp_path):
              for k in range(page.locator("#totals tr").count())}
     assert total["reused cached work"] == "3 of 5 (60 %), 1 of them exact"
     assert total["time"].startswith(f"{t['seconds']:.2f} s against {t['dense_seconds']:.2f} s dense: x{t['speedup']}")
-    assert total["denoising steps computed"] == f"{32 + 6 + 6 + 32 + 0} of {5 * 32} ({5 * 32 - 76} saved)"
+    computed = 32 + 2 * (32 - r0 + (0 if gated else 4)) + 32 + 0   # miss, two hits, the edit (a miss), exact repeat
+    assert total["denoising steps computed"] == f"{computed} of {5 * 32} ({5 * 32 - computed} saved)"
     # every clip decoded by the browser (a GIF it cannot read has naturalWidth 0), at the model's 64 pixels
     widths = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.complete ? i.naturalWidth : -1)")
     assert len(widths) == 2 * 5 + 4 and set(widths) == {64}   # each clip and its dense run; a source or refused clip for 4

@@ -81,9 +81,9 @@ def cmd_bench_scale(args, rest: list[str]) -> int:
         except ValueError as e:
             raise CarnatorError(f"--frames: {e}") from None
     if args.resume_step is None:
-        from carnator.policies.carnator import CarnatorConfig
+        from carnator.policies.carnator import DEFAULT_RESUME_STEP
 
-        args.resume_step = CarnatorConfig.resume_step
+        args.resume_step = DEFAULT_RESUME_STEP
     if args.steps < 1 or not 0 < args.resume_step < args.steps:
         raise CarnatorError(f"--resume-step must lie in [1, --steps) for a hit to resume, got {args.resume_step} of {args.steps} steps")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--steps", type=int, default=50)
     z.add_argument("--densities", default="0.1,0.2,0.3,0.5", help="block-mask densities of the replayed hits")
     z.add_argument("--active-fraction", type=float, default=0.3, help="Active share of tokens in the replayed plan")
-    z.add_argument("--resume-step", type=int, default=None, help="the replayed plan's resume step (default: carnator's, 30)")
+    z.add_argument("--resume-step", type=int, default=None, help="the replayed plan's resume step (default: 30, carnator's without a thresholds file that names one)")
     z.add_argument("--mask-stride", type=int, default=5, help="masks recorded every N steps")
     z.add_argument("--no-kernels", action="store_true", help="skip the kernel microbenchmark")
     z.add_argument("--baselines", default="nirvana,chorus,chorus2",
