@@ -224,3 +224,14 @@ def test_a_hit_resumes_at_the_files_step_and_entries_keep_only_the_latents_it_re
     b = eng.generate("footage of " + SRC + ", 4k", seed=112, num_inference_steps=STEPS, store=False)
     assert b.stats.hit and b.stats.certified and b.stats.resume_step == 6
     assert b.stats.dit_forwards == 2 * (STEPS - 6)   # steps 6 and 7, both guidance branches, no probe
+
+
+def test_explain_leaves_out_what_was_neither_measured_nor_read():
+    from carnator.reuse import explain
+
+    content_only = Thresholds(math.inf, math.inf, math.inf, math.inf, content=0.0)
+    # a hit under a content-only file: no probe ran (context infinite), the sentence distance measured but not read
+    assert explain(Discrepancies(context=math.inf, text=0.18, content=0.0), content_only) == "content 0.00 <= 0.00, text 0.18"
+    # an infinite value against a finite threshold is a failed check, and stays
+    assert explain(Discrepancies(context=math.inf, content=0.0), Thresholds(1.0, math.inf, math.inf, math.inf, content=0.0)) \
+        == "context inf > 1.00, content 0.00 <= 0.00"

@@ -496,7 +496,8 @@ def first_compatible(
 
 def explain(d: Discrepancies, tau: Thresholds) -> str:
     """One line: each measured discrepancy against its threshold, failing ones first, and the risk rule if any
-    (``"shape 0.62 > 0.41, context 1.20 <= 1.62"``)."""
+    (``"shape 0.62 > 0.41, context 1.20 <= 1.62"``). A dimension neither measured (infinite: no probe ran, no noun to
+    compare) nor read (no threshold) is left out."""
 
     def num(v: float) -> str:
         return "inf" if math.isinf(v) else f"{v:.2f}"
@@ -504,7 +505,7 @@ def explain(d: Discrepancies, tau: Thresholds) -> str:
     parts = []
     for k in ("content", *DIMENSIONS):
         v, t = getattr(d, k), getattr(tau, k)
-        if v is None:
+        if v is None or (math.isinf(v) and math.isinf(t)):
             continue
         ok = v <= t
         parts.append((ok, f"{k} {num(v)}" if math.isinf(t) else f"{k} {num(v)} {'<=' if ok else '>'} {num(t)}"))
