@@ -156,6 +156,8 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     kw = {"num_inference_steps": steps, **dict(settings or {})}
     todo = [i for i in range(len(pairs or ())) if i not in done and (shard is None or i % shard[1] == shard[0])]
     t_start, n_todo = time.perf_counter(), len(todo)
+    # every pair runs the same settings: their number of steps, recorded with each row (the file's meta.resume)
+    n_steps = engine.resolve(pairs[todo[0]][3], seed=0, **kw).num_inference_steps if todo else None
     from tqdm import tqdm
 
     # disable=None: a bar (pairs done, rate, ETA) only on a terminal; the per-pair lines go above it (and alone in logs)
@@ -186,7 +188,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
                    # the plan's parameters (bench-scale replays these at real sizes)
                    "resume_step": reuse.stats.resume_step, "active_fraction": reuse.stats.active_fraction,
                    "mask_density": reuse.stats.mask_density,
-                   "num_steps": engine.resolve(tgt, seed=t_seed, tenant=tenant, **kw).num_inference_steps}
+                   "num_steps": n_steps}
             # Both Early Signatures, so that other discrepancy definitions can be evaluated on these rows offline.
             src_meta = engine.store.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
             row["signatures"] = {"query": reuse.stats.notes.get("signature"),

@@ -301,9 +301,6 @@ class CarnatorPolicy(Policy):
     def decide(self, inputs: DecisionInputs) -> Decision:
         sig = inputs.signature
         if sig is None and self.uses_signature():
-            if self.cfg.probe == "auto" and not self.probe_needed(inputs):
-                return Decision.miss("no cached request asks the same (decided before the probe)",
-                                     details={"candidates": len(inputs.candidates), "probe": "skipped"})
             return Decision.miss("no probe signature")
         if sig is None:
             sig = EarlySignature()   # a content-only rule reads no signature dimension
@@ -314,9 +311,9 @@ class CarnatorPolicy(Policy):
             if self.cfg.admitted_only and any(c.meta.extra.get("admitted") is False for c in inputs.candidates):
                 why += " among those whose own clip passed the admission judge"
             return Decision.miss(why, details=notes)
-        if self.resume_at(inputs.num_steps) >= inputs.num_steps:
-            return Decision.miss(f"the resume step {self.resume_at(inputs.num_steps)} is not inside the {inputs.num_steps} steps",
-                                 details=notes)
+        r = self.resume_at(inputs.num_steps)
+        if r >= inputs.num_steps:
+            return Decision.miss(f"the resume step {r} is not inside the {inputs.num_steps} steps", details=notes)
         tested = []
         for c, diff in cands[: self.cfg.tested]:
             try:
