@@ -53,8 +53,10 @@ def test_a_hit_under_the_content_rule_names_the_check_that_decided(gated):
     why = reroll.why
     assert why.decision == "hit" and why.source_id == first.stats.entry_id and why.risk is None
     assert why.checks[0].name == "content" and (why.checks[0].value, why.checks[0].threshold) == (0, 0)
-    assert all(c.threshold is None for c in why.checks[1:])  # measured, not decided on
-    assert why.reason.startswith(f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1): content 0.00 <= 0.00, ")
+    # found by its content key: no sentence similarity measured, no probe ran: content is the only check
+    assert [c.name for c in why.checks] == ["content"]
+    assert why.reason == (f"compatible with entry {first.stats.entry_id[:8]} ({PROMPT!r}, seed 1): content 0.00 <= 0.00; "
+                          f"resumed at step 29 of {STEPS}")
 
 
 def test_a_colour_edit_under_the_content_rule_misses_on_content(gated):
@@ -62,7 +64,11 @@ def test_a_colour_edit_under_the_content_rule_misses_on_content(gated):
     why = edit.why
     assert why.decision == "miss" and why.tested_id in (first.stats.entry_id, reroll.stats.entry_id)
     assert why.checks[0].name == "content" and why.checks[0].value == 2 and not why.checks[0].passed
-    assert why.headline.endswith("failed the compatibility test") and "content 2.00 > 0.00" in why.reason
+    # the shipped rule recalls by content only: nothing cached asks the same; the explanation names the nearest
+    # cached request by sentence and what it asks differently
+    assert why.headline.startswith("nothing cached asks the same; the nearest cached request, entry ")
+    assert why.headline.endswith("differs in color red -> blue") and why.reason.endswith("(content 2.00 > 0.00)")
+    assert edit.stats.notes["recall"] == "content" and edit.stats.notes["candidates"] == 0
 
 
 def test_steps_are_dit_forwards_over_cfg_branches(stream):

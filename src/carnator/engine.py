@@ -39,7 +39,7 @@ from .errors import CacheError, GenerationError, InvalidRequestError, ModelLoadE
 from .plan import Decision, DecisionInputs, ReusePlan
 from .policies import ModelInfo, Policy, get_policy_class, policy_names
 from .request import Request, Result, Stats, to_uint8
-from .stages import probe, read_signature, recall
+from .stages import probe, read_signature, recall, recall_content
 
 log = logging.getLogger("carnator")
 
@@ -77,8 +77,10 @@ class EngineConfig:
         source would itself be an acceptable reuse of a perfect dense clip under the calibration's rule (Delta 0.25 /
         0.1).
     write_behind: store the entry (and run the admission judge) in a background thread after the result is returned,
-        off the request's critical path; a request that starts before the write ends does not see the entry yet.
-        :meth:`Carnator.flush` waits for the writes. Default off.
+        off the request's critical path; a request that starts before the write ends does not see the entry yet, and
+        the result's ``stats.entry_id`` is set when the write ends. :meth:`Carnator.flush` waits for the writes.
+        None (the default): on where the model runs on a CUDA device (there the store and the judge cost a miss about
+        60 % of a dense embedded request), off on the CPU (where they cost about 1 %, and a result comes back stored).
     allow_uncertified: whether approximate reuse may rest on a decision that no certified thresholds file backs (the
         paper's thresholds on a model they were not calibrated for, or a text-similarity baseline). False (what
         ``carnator serve`` uses unless ``--allow-uncertified``): such a decision becomes a miss; exact hits are always
@@ -96,7 +98,7 @@ class EngineConfig:
     allow_uncertified: bool = True
     admission_judge: str | None = "auto"
     admission_rule: dict[str, float] = field(default_factory=lambda: {"fidelity": 0.75, "artifact": 0.1})
-    write_behind: bool = False
+    write_behind: bool | None = None
 
     def __post_init__(self) -> None:
         cs = self.capture_steps
@@ -173,6 +175,9 @@ class Carnator:
                 raise ValueError(f"EngineConfig.admission_rule names scores the judge {self._judge.name} lacks: {unknown}")
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        wb = self.config.write_behind
+        #: whether entries are stored on a background thread (``EngineConfig.write_behind``; None: on a CUDA device)
+        self.write_behind = bool(wb) if wb is not None else torch.device(self.adapter.device).type == "cuda"
         self._policies: dict[str, Policy] = {}
         self._lock = threading.Lock()
         self._text_lock = threading.Lock()  # fast tokenizers refuse concurrent calls with other settings ("Already borrowed")
@@ -241,7 +246,8 @@ class Carnator:
         e = self._embedder
         return getattr(e, "identity", None) or f"{getattr(e, 'name', type(e).__name__)}:{getattr(e, 'dim', '?')}"
 
-    def _embed(self, prompt: str) -> np.ndarray:
+    def embed(self, prompt: str) -> np.ndarray:
+        """``prompt``'s recall embedding (the engine's embedder)."""
         with self._text_lock:
             return self.embedder(prompt)
 
@@ -430,10 +436,14 @@ class Carnator:
         embedding: np.ndarray | None = None
         if mode == "reuse" and fallback is None and pol.recall_k() > 0:
             t0 = time.perf_counter()
-            embedding = self._embed(req.prompt)
             by_content = content_key(content) if pol.recall_by_content() else None
-            inputs = dataclasses.replace(inputs, candidates=recall(self.store, req.tenant, key, embedding, pol.recall_k(),
-                                                                   content_key=by_content))
+            if by_content is not None and not pol.recall_by_sentence():
+                # the embedding is computed only to store the entry (on the writer thread with write-behind)
+                found = recall_content(self.store, req.tenant, key, by_content, pol.recall_k())
+            else:
+                embedding = self.embed(req.prompt)
+                found = recall(self.store, req.tenant, key, embedding, pol.recall_k(), content_key=by_content)
+            inputs = dataclasses.replace(inputs, candidates=found)
             tm["recall"] = time.perf_counter() - t0
         prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
         if spec is not None and fallback is None and injected is None and hasattr(pol, "probe_needed") \
@@ -511,17 +521,15 @@ class Carnator:
 
         if store:
             t0 = time.perf_counter()
-            if embedding is None:
-                embedding = self._embed(req.prompt)
-            if self.config.write_behind:
+            if self.write_behind:
                 with self._lock:
                     if self._writer is None:
                         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-store")
                     self._pending = [f for f in self._pending if not f.done()]
-                    self._pending.append(self._writer.submit(self._admit, req, pol, inputs, plan, state, frames, key, exact_key,
-                                                             embedding, stats))
+                    self._pending.append(self._writer.submit(self._store, req, pol, inputs, plan, state, frames, key,
+                                                             exact_key, embedding, stats))
             else:
-                stats.entry_id = self._admit(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
+                self._store(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
             tm["store"] = time.perf_counter() - t0
         if plan.hit and plan.source_id is not None:
             self.store.touch(plan.source_id)
@@ -581,6 +589,13 @@ class Carnator:
         if plan.mask_prefix is not None:
             names += [k for k in have if k.startswith(plan.mask_prefix)]
         return self.store.load(plan.source_id, names)
+
+    def _store(self, req: Request, pol: Policy, inputs: DecisionInputs, plan: ReusePlan, state: denoise.DenoiseState,
+               frames: np.ndarray, key: str, exact_key: str, embedding: np.ndarray | None, stats: Stats) -> None:
+        """Embed the prompt for recall (unless recall already did) and admit the entry; ``stats.entry_id`` its id."""
+        if embedding is None:
+            embedding = self.embed(req.prompt)
+        stats.entry_id = self._admit(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
 
     def _admit(self, req: Request, pol: Policy, inputs: DecisionInputs, plan: ReusePlan, state: denoise.DenoiseState,
                frames: np.ndarray, key: str, exact_key: str, embedding: np.ndarray, stats: Stats) -> str | None:

@@ -108,7 +108,9 @@ def describe(engine, res) -> Outcome:
     elif "candidates" in notes:
         k = int(notes["candidates"])
         tested = notes.get("tested") or []
-        if k == 0:
+        if k == 0 and notes.get("recall") == "content":
+            _nearest_by_sentence(engine, res, tau, out)
+        elif k == 0:
             out.reason = "nothing cached with the same nouns (or one noun substituted) and settings"
         elif not tested:
             out.reason = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; {s.reason}"
@@ -129,6 +131,32 @@ def describe(engine, res) -> Outcome:
     else:
         out.reason = "nothing cached was reused"
     return out
+
+
+def _nearest_by_sentence(engine, res, tau, out: Outcome) -> None:
+    """A miss of a rule that recalled by content only (nothing cached asks the same): its reason, and the cached request
+    nearest by sentence with what it asks differently, so that an edit says what changed. Searched here, when the
+    miss is described (the CLI, the demo), never on the request's path."""
+    from .signature.content import content_change, content_distance
+
+    s, req = res.stats, res.request
+    out.reason = s.reason
+    try:
+        engine.flush()  # this request's own entry, when written behind, is then known and left out
+        pol = engine.policy(s.policy)
+        found = engine.store.recall(req.tenant, engine.compat_key(req, pol), engine.embed(req.prompt), k=2)
+    except Exception:  # noqa: BLE001 - an explanation must never fail the request it explains
+        return
+    near = next((m for m, _ in found if m.id != s.entry_id), None)
+    if near is None:
+        return
+    mine, theirs = engine.content(req.prompt), near.extra.get("content")
+    d = content_distance(mine, theirs)
+    out.tested_id, out.source_prompt, out.source_seed = near.id, near.prompt, near.seed
+    out.checks, out.risk = _checks(tau, {"content": d})
+    what = _source_text(Outcome("", "", 0, 0, 0, source_id=near.id, source_prompt=near.prompt, source_seed=near.seed))
+    out.headline = f"nothing cached asks the same; the nearest cached request, {what}, differs in {content_change(mine, theirs)}"
+    out.reason = f"{out.headline} ({', '.join(c.text() for c in out.checks)})"
 
 
 def _source_text(out: Outcome) -> str:
@@ -154,6 +182,8 @@ def _checks(tau, d) -> tuple[list[Check], tuple[float, float] | None]:
         if value is None:
             continue
         t = getattr(tau, name, None)
+        if math.isinf(value) and (t is None or math.isinf(t)):
+            continue  # neither measured (no probe ran, no noun to compare) nor read: it tells a reader nothing
         checks.append(Check(name, float(value), None if t is None or math.isinf(t) else float(t)))
     # what decided first: a failing check, then those with a threshold, then the measured-only ones (stable)
     checks.sort(key=lambda c: (c.passed, c.threshold is None))

@@ -54,10 +54,11 @@ class ProbeSpec:
 
 @dataclass(frozen=True, eq=False)
 class Candidate:
-    """One cached entry recall found for a request: its metadata and the cosine of the two recall embeddings."""
+    """One cached entry recall found for a request: its metadata and the cosine of the two recall embeddings (None
+    when recall found it by content alone and computed no embedding)."""
 
     meta: EntryMeta
-    similarity: float
+    similarity: float | None
 
 
 @dataclass(frozen=True, eq=False)

@@ -547,6 +547,17 @@ class CacheBank:
         return [(metas[i], score) for i, score in hits if i in metas]
 
     @_guarded
+    def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
+        """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first."""
+        _check_scope(tenant, compat_key)
+        if k <= 0:
+            return []
+        with self._db.read() as conn:
+            ids = self._db.content_ids(conn, tenant, compat_key, content_key, k)
+            metas = self._db.get_many(conn, ids)
+        return [metas[i] for i in ids if i in metas]
+
+    @_guarded
     def lookup_exact(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
         """The entry admitted with ``exact_key`` for ``tenant`` (and ``compat_key``, if given), or None."""
         if not isinstance(tenant, str) or not tenant:

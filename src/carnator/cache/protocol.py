@@ -67,6 +67,10 @@ class CacheStore(Protocol):
         ``content_key``, then the newest ``k`` entries admitted under that content key that are not among them (by
         cosine, nearest first): a request that asks the same in other words finds them however far its sentence."""
 
+    def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
+        """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first: the only
+        candidates of a rule that reuses nothing but a request asking the same, found without a recall embedding."""
+
     def get(self, entry_id: str) -> EntryMeta | None:
         """Metadata of one entry, or None."""
 

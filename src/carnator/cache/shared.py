@@ -719,6 +719,20 @@ class SharedStore:
             metas = self._get_many(c, [h[0] for h in hits])
         return [(metas[i], score) for i, score in hits if i in metas]
 
+    @_available(list)
+    def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
+        """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first (read from
+        PostgreSQL; no index sync: no embedding is searched)."""
+        _check_scope(tenant, compat_key)
+        if k <= 0:
+            return []
+        with self._tx(snapshot=True) as c:
+            ids = [r[0] for r in c.execute(
+                "SELECT id FROM entries WHERE tenant = %s AND compat_key = %s AND content_key = %s "
+                "ORDER BY seq DESC LIMIT %s", (tenant, compat_key, content_key, k))]
+            metas = self._get_many(c, ids)
+        return [metas[i] for i in ids if i in metas]
+
     def sync(self, tenant: str, compat_key: str) -> int:
         """Bring this replica's index of one scope up to date now; how many entries it holds (for benchmarks)."""
         with self._tx(snapshot=True) as c:

@@ -66,6 +66,12 @@ class Policy(ABC):
         :meth:`recall_k` nearest (:meth:`~carnator.cache.CacheStore.recall`)."""
         return False
 
+    def recall_by_sentence(self) -> bool:
+        """Whether recall searches the recall embeddings (False: only the entries that ask what the request asks,
+        :meth:`~carnator.cache.CacheStore.same_content`, when :meth:`recall_by_content`; no embedding is computed
+        before the decision)."""
+        return True
+
     def probe_spec(self) -> ProbeSpec | None:
         """The dense probe this policy reads (None: no probe)."""
         return None

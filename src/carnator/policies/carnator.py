@@ -215,6 +215,12 @@ class CarnatorPolicy(Policy):
     def recall_by_content(self) -> bool:
         return self.cfg.content_recall and not math.isinf(self.tau.content)
 
+    def recall_by_sentence(self) -> bool:
+        # A content-only rule that accepts only the same content (content 0, no text threshold) can reuse nothing a
+        # sentence search adds: the entries asking the same are all its candidates, found without the embedding.
+        return not (self.recall_by_content() and self.content_only() and self.tau.content == 0
+                    and math.isinf(self.tau.text))
+
     def probe_spec(self) -> ProbeSpec:
         c = self.cfg
         return ProbeSpec(steps=c.probe_steps, layer=c.probe_layer, modifiers=c.modifiers, region=c.region)
@@ -285,7 +291,8 @@ class CarnatorPolicy(Policy):
 
     def prefetch(self, inputs: DecisionInputs):
         cands = self.candidates(inputs)
-        if not cands or not self.cfg.prefetch or 1.0 - cands[0][0].similarity > self.tau.text:
+        sim = None if not cands else cands[0][0].similarity
+        if not cands or not self.cfg.prefetch or (sim is not None and 1.0 - sim > self.tau.text):
             return None  # its text distance alone already fails the test
         c = cands[0][0]
         if inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) > self.tau.content:
@@ -306,6 +313,17 @@ class CarnatorPolicy(Policy):
             sig = EarlySignature()   # a content-only rule reads no signature dimension
         cands = self.candidates(inputs)
         notes = {"candidates": len(cands), "signature": sig.to_dict()}
+        if not self.recall_by_sentence():
+            notes["recall"] = "content"
+        if not cands and not self.recall_by_sentence():
+            if not inputs.candidates:
+                why = ("nothing cached asks the same (this rule reuses only a request with the same objects, sizes, "
+                       "colours, motions and place: content 0)")
+            else:  # (a reuse's own entry is never found by content: it is stored without a content key)
+                n = len(inputs.candidates)
+                why = (f"{n} cached request{'s ask' if n > 1 else ' asks'} the same, but {'their' if n > 1 else 'its'} "
+                       "own clip failed the admission judge: never a reuse source")
+            return Decision.miss(why, details=notes)
         if not cands:
             why = "no cached request passes the noun filter" if inputs.candidates else "nothing cached to reuse"
             if self.cfg.admitted_only and any(c.meta.extra.get("admitted") is False for c in inputs.candidates):

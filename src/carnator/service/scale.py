@@ -239,9 +239,14 @@ class EngineReplica:
                 )
                 emb = None
                 try:
-                    emb = self.engine._embed(res.request.prompt)  # the same embedding the ingress computes
+                    emb = self.engine.embed(res.request.prompt)  # the same embedding the ingress computes
                 except Exception:  # noqa: BLE001 - affinity is best effort
                     pass
+                if self.engine.write_behind:  # the job's stats name the entry it stored
+                    try:
+                        self.engine.flush()
+                    except Exception:  # noqa: BLE001 - the video is made; a failed store costs only the entry
+                        log.exception("storing a cache entry failed on replica %s", self.replica)
                 events.put({"kind": "result", "frames": res.frames, "stats": res.stats, "request": res.request,
                             "embedding": emb, "counters": self.store_counters()})
             except Cancelled:
@@ -364,7 +369,7 @@ class RemoteEngine:
         emb = None
         if aff is not None:
             try:
-                emb = self.local._embed(prompt)
+                emb = self.local.embed(prompt)
                 affinity = aff.preferred(tenant, emb)
             except Exception as exc:  # noqa: BLE001 - routing without a hint is still routing
                 log.debug("no affinity hint: %s", exc)

@@ -276,11 +276,6 @@ class WorkerPool:
         st = res.stats
         if st.exact_hit:
             self.hub.publish(job.id, "decision", {"reuse": True, "exact": True, "reason": st.reason})
-        key = DenseEstimate.key(job.tenant, p, res.request)
-        summary = summarize(st, res.request, self.estimate.get(key))
-        if summary["tier"] == "miss":
-            self.estimate.add(key, summary["seconds"])
-
         videos = {}
         try:
             for variant in ("mp4", "gif"):
@@ -291,6 +286,15 @@ class WorkerPool:
             full = " (the disk is full)" if getattr(e, "errno", None) in (28, 122) else ""
             return self._finish(job, FAILED, videos=videos, error={
                 "type": "storage_error", "message": f"could not save the video{full}: {e.strerror or e}"})
+        if getattr(eng, "write_behind", False):  # the entry was stored while the videos were encoded: its id goes
+            try:                                 # into the job's stats
+                eng.flush()
+            except Exception:  # noqa: BLE001 - the video is made; a failed store costs only the entry
+                log.exception("job %s: storing its cache entry failed", job.id)
+        key = DenseEstimate.key(job.tenant, p, res.request)
+        summary = summarize(st, res.request, self.estimate.get(key))
+        if summary["tier"] == "miss":
+            self.estimate.add(key, summary["seconds"])
         self._finish(job, COMPLETED, stats=summary, videos=videos, wall=wall, dev=dev)
 
     def _stopped_job(self, job: Job) -> None:

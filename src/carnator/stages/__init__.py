@@ -6,6 +6,6 @@
 """
 
 from .probe import Evidence, probe, read_signature
-from .recall import recall
+from .recall import recall, recall_content
 
-__all__ = ["Evidence", "probe", "read_signature", "recall"]
+__all__ = ["Evidence", "probe", "read_signature", "recall", "recall_content"]

@@ -19,3 +19,12 @@ def recall(store: CacheStore, tenant: str, compat_key: str, embedding: np.ndarra
     else:
         found = store.recall(tenant, compat_key, embedding, k=k, content_key=content_key)
     return tuple(Candidate(meta, float(sim)) for meta, sim in found)
+
+
+def recall_content(store: CacheStore, tenant: str, compat_key: str, content_key: str, k: int) -> tuple[Candidate, ...]:
+    """The newest ``k`` entries of ``(tenant, compat_key)`` that ask what ``content_key`` names
+    (:meth:`CacheStore.same_content`), for a policy that can reuse nothing else: no recall embedding is computed, so
+    their similarity is None (not measured)."""
+    if k <= 0:
+        return ()
+    return tuple(Candidate(meta, None) for meta in store.same_content(tenant, compat_key, content_key, k=k))
