@@ -19,7 +19,9 @@ Variants (``--variants``, comma-separated):
   shipped   the shipped files with ``admitted_only`` off, i.e. ``thresholds-nogate.json`` (before 2026-12-06 04:27 UTC
             this was the shipped file itself, the same rule)
   default   what a user gets: the shipped (gated) file at its certified resume step (45 of 50), every setting default
-            (since 2026-12-06 17:20 UTC the probe is skipped under a content-only file by default)
+            (since 2026-12-06 17:20 UTC the probe is skipped under a content-only file by default; since 21:00 UTC
+            recall reads the same-content entries without a sentence embedding and write-behind is on for CUDA)
+  sync      ``default`` with ``write_behind`` off
   nirvana   the NIRVANA baseline (its entries are filled into the same warm cache beside carnator's)
 
     python3 lab/scripts/levers_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
@@ -55,10 +57,11 @@ VARIANTS = {
     "own": ({}, {"admitted_only": True, "own_sample": 1.0, "probe": "always"}),
     "shipped": ({}, {"admitted_only": False, "thresholds": None}),
     "default": ({}, {"thresholds": None}),
+    "sync": ({"write_behind": False}, {"thresholds": None}),
 }
 
 
-def engine(cache, device, *, write_behind=False, **carnator):
+def engine(cache, device, *, write_behind=None, **carnator):
     from carnator import Carnator
     from carnator.engine import EngineConfig
 
@@ -75,7 +78,7 @@ def fill(args):
 
     trace = Trace.load(trace_path)
     # entries every variant can reuse: a signature (the probe) and the latents from step 29 on
-    eng = engine(cache, device, probe="always", resume_step=30)
+    eng = engine(cache, device, write_behind=False, probe="always", resume_step=30)
     for r in trace.warm[k::n]:
         for policy in policies:
             eng.generate(r.prompt, seed=r.seed, policy=policy, cache="off")
@@ -194,6 +197,8 @@ def main() -> None:
     ap.add_argument("--sequential", action="store_true",
                     help="one stream at a time (each alone on the machine: no stream's timings share it with another's)")
     ap.add_argument("--keep-warm", action="store_true", help="reuse ROOT/warm from an earlier run of the same trace")
+    ap.add_argument("--fill-nirvana", action="store_true",
+                    help="fill NIRVANA's entries into the warm cache even when it does not stream (a --keep-warm run may)")
     args = ap.parse_args()
     from carnator.judges import QualityRule
 
@@ -231,7 +236,7 @@ def main() -> None:
         # one process writes the index first (creates the cache), then the rest join
         if not keep:
             with ctx.Pool(args.jobs) as pool:
-                fills = ["carnator", "nirvana"] if "nirvana" in names else ["carnator"]
+                fills = ["carnator", "nirvana"] if "nirvana" in names or args.fill_nirvana else ["carnator"]
                 list(pool.imap_unordered(fill, [(k, args.jobs, str(trace_path), str(warm), args.device, fills)
                                                 for k in range(args.jobs)]))
             print(f"warm cache filled in {time.time() - t0:.0f}s", flush=True)
