@@ -113,3 +113,13 @@ def test_a_miss_names_the_candidate_refused_and_why(stream):
     assert why.reason.startswith(f"1 cached candidate with matching nouns; the first, entry {why.tested_id[:8]} (")
     assert f"failed the compatibility test: risk {risk:.3f} > {threshold:.3f} (" in why.reason
     assert why.reason.startswith(why.headline + ": risk ") and why.headline.endswith("failed the compatibility test")
+
+
+def test_a_rewording_in_synonyms_names_only_the_content_check(gated):
+    """'circle' for 'ball': no noun is shared, so the paper's d_context is 0 by definition; no probe ran, so the line
+    does not show it as if it had been measured."""
+    eng, first, _, _ = gated
+    res = eng.generate("on a grassy field, a tiny red circle slides to the left", seed=12, num_inference_steps=STEPS)
+    why = describe(eng, res)
+    assert why.decision == "hit" and res.stats.notes["probe"] == "skipped"
+    assert [c.name for c in why.checks] == ["content"] and "context" not in why.reason

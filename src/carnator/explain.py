@@ -87,7 +87,10 @@ def describe(engine, res) -> Outcome:
     if s.exact_hit:
         out.reason = f"the same request as {src}: its stored video"
     elif s.hit:
-        out.checks, out.risk = _checks(tau, notes.get("discrepancies"))
+        d = notes.get("discrepancies")
+        if d and notes.get("probe") == "skipped":  # no signature was read: its dimensions were not measured
+            d = {k: v for k, v in d.items() if k not in ("context", "size", "shape", "color")}
+        out.checks, out.risk = _checks(tau, d)
         out.headline = f"compatible with {src}; resumed at step {s.resume_step} of {n}"
         if out.risk is not None:
             passed = f"risk {out.risk[0]:.3f} <= {out.risk[1]:.3f}"
@@ -155,7 +158,8 @@ def _nearest_by_sentence(engine, res, tau, out: Outcome) -> None:
     out.tested_id, out.source_prompt, out.source_seed = near.id, near.prompt, near.seed
     out.checks, out.risk = _checks(tau, {"content": d})
     what = _source_text(Outcome("", "", 0, 0, 0, source_id=near.id, source_prompt=near.prompt, source_seed=near.seed))
-    out.headline = f"nothing cached asks the same; the nearest cached request, {what}, differs in {content_change(mine, theirs)}"
+    change = f"differs in {content_change(mine, theirs)}" if d <= 2 else "asks another scene"
+    out.headline = f"nothing cached asks the same; the nearest cached request, {what}, {change}"
     out.reason = f"{out.headline} ({', '.join(c.text() for c in out.checks)})"
 
 

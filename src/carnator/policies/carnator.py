@@ -48,6 +48,8 @@ class CarnatorConfig:
     content_recall: recall also returns the cached entries that ask what the request asks (the same content key,
         :func:`carnator.cache.keys.content_key`) beyond the ``top_k`` nearest sentences, when the thresholds read
         content: a rewording finds its source however far its sentence embedding lies (default on; not in the paper).
+        Under a content-only file at content 0 (the embedded model's shipped one) those are the only candidates it can
+        accept, so recall reads only them and computes no sentence embedding before the decision.
     tested: how many of the recalled candidates that pass the noun filter the compatibility test tries, in recall
         order, the first compatible winning (paper: all; None = all). Default 1: thresholds are certified on one
         (query, cached request) pair at a time, and every further candidate tried is one more chance for an
