@@ -231,6 +231,22 @@ def test_recall_by_content_finds_what_the_nearest_miss(store):
     assert store.recall("t", "k", q, k=2, content_key="none such") == plain
 
 
+def test_same_content_reads_the_entries_that_ask_the_same_without_an_embedding(store):
+    """The newest entries admitted under a content key, newest first, at most k; never another tenant's, another
+    compatibility key's, or one without that content key; nothing for a key no entry has."""
+    a = store.admit(_spec((0.0, 1.0), content_key="c"))
+    store.admit(_spec((1.0, 0.0), content_key="other"))
+    b = store.admit(_spec((1.0, 1.0), content_key="c"))
+    store.admit(_spec((1.0, 0.0), content_key=None))
+    store.admit(_spec((0.0, 1.0), content_key="c", tenant="u"))
+    store.admit(_spec((0.0, 1.0), content_key="c", key="k2"))
+    c = store.admit(_spec((1.0, 0.5), content_key="c"))
+    assert [m.id for m in store.same_content("t", "k", "c")] == [c, b, a]
+    assert [m.id for m in store.same_content("t", "k", "c", k=2)] == [c, b]
+    assert all(m.content_key == "c" and m.tenant == "t" for m in store.same_content("t", "k", "c"))
+    assert store.same_content("t", "k", "none such") == [] and store.same_content("t", "k", "c", k=0) == []
+
+
 def test_a_store_from_before_content_keys_gains_them(open_store):
     """A store written before entries had a content key (the column absent) opens, keeps its entries and indexes new
     ones by content."""
