@@ -111,12 +111,12 @@ register_judge("test-pass", lambda arg: _Judge(1.0))
 register_judge("test-fail", lambda arg: _Judge(0.5))
 
 
-def _engine(tmp_path, judge="test-pass", **opts):
+def _engine(tmp_path, judge="test-pass", write_behind=None, **opts):
     eng0 = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c0", device="cpu", embedder=hashed_embedder(64))
     path = tmp_path / "content.json"
     Thresholds(math.inf, math.inf, math.inf, math.inf, content=0.0).save(
         path, model_id=eng0.model_identity, reading=eng0.policy("carnator").reading())
-    cfg = EngineConfig(admission_judge=judge, policy_options={
+    cfg = EngineConfig(admission_judge=judge, write_behind=write_behind, policy_options={
         "carnator": {"resume_step": RESUME, "thresholds": str(path), "probe": "auto", **opts}})
     return Carnator(eng0.pipe, tmp_path / "cache", config=cfg, embedder=hashed_embedder(64), adapter=eng0.adapter)
 
@@ -163,6 +163,37 @@ def test_a_rewording_finds_its_source_by_content_beyond_the_nearest_sentences(tm
     off = _engine(tmp_path, top_k=1, content_recall=False)   # the same cache, recall by sentence only
     m = off.generate(reworded, seed=102, num_inference_steps=STEPS, store=False)
     assert not m.stats.hit and "color blue -> red" in m.stats.reason
+
+
+def test_a_same_content_rule_recalls_by_content_key_without_a_sentence_embedding(tmp_path):
+    """Under a content-only file at content 0, recall reads the entries that ask the same: a hit that stores nothing
+    computes no embedding, a miss computes one, to store its entry; the edit's miss says that nothing asks the same."""
+    eng = _engine(tmp_path)
+    embedded, embed = [], eng.embed
+    eng.embed = lambda prompt: (embedded.append(prompt), embed(prompt))[1]
+    a = eng.generate(SRC, seed=101, num_inference_steps=STEPS)
+    assert not a.stats.hit and embedded == [SRC]                       # stored: embedded once, for the entry
+    r = eng.generate("footage of a small red ball moving left on grass, 4k", seed=102, num_inference_steps=STEPS, store=False)
+    assert r.stats.hit and r.stats.source_id == a.stats.entry_id and embedded == [SRC]
+    assert r.stats.notes["recall"] == "content" and "similarity" not in r.stats.notes
+    e = eng.generate("a small blue ball moving left on grass", seed=104, num_inference_steps=STEPS, store=False)
+    assert not e.stats.hit and e.stats.reason.startswith("nothing cached asks the same") and embedded == [SRC]
+    # a rule with a text threshold reads the sentence similarity: recall embeds before deciding
+    assert _engine(tmp_path / "t", content_recall=False).policy("carnator").recall_by_sentence()
+
+
+def test_write_behind_returns_before_the_entry_is_written_and_flush_waits(tmp_path):
+    """With write_behind the entry is judged, embedded and stored on a background thread; flush() waits for it, after
+    which the result's stats name it and a re-roll reuses it. The default (None) is on only for a CUDA device."""
+    assert EngineConfig().write_behind is None and not _engine(tmp_path / "cpu").write_behind
+    eng = _engine(tmp_path, write_behind=True)
+    assert eng.write_behind
+    a = eng.generate(SRC, seed=101, num_inference_steps=STEPS)
+    eng.flush()
+    assert a.stats.entry_id is not None and eng.store.get(a.stats.entry_id).extra["admitted"] is True
+    assert a.stats.notes["admitted"] is True and "admission_judge" in a.stats.timings
+    r = eng.generate(SRC, seed=103, num_inference_steps=STEPS, store=False)
+    assert r.stats.hit and r.stats.source_id == a.stats.entry_id
 
 
 def test_a_source_that_fails_the_admission_judge_is_never_reused(tmp_path):

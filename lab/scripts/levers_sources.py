@@ -108,6 +108,7 @@ def part_b(out: Path, n: int, device: str, root: str) -> None:
         src = None
         for m, eng in engines.items():
             s = eng.generate(p, seed=a)
+            eng.flush()  # written behind on a GPU: stored before the hit below recalls it
             src = s.frames if src is None else src
         dense = probe.generate(p, seed=b, policy="dense", store=False)
         row = {"prompt": p, "seed_source": a, "seed": b, "dense": judge.score(dense.frames, p),

@@ -99,6 +99,7 @@ def main() -> int:
                 tenant = f"sweep{i}-{v}" if own else f"sweep{i}"
                 if v == values[0] or own:
                     js = judge(eng.generate(src, seed=s_seed, policy=f"source{v}", tenant=tenant).frames, src)
+                    eng.flush()  # written behind on a GPU: stored before the forced reuse reads it
                     row["source"] = {"fidelity": js.fidelity, "artifact": js.artifact}
                 res = eng.generate(tgt, seed=t_seed, policy=f"forced{v}", tenant=tenant, store=False)
                 if own:
