@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -111,6 +113,15 @@ register_judge("test-pass", lambda arg: _Judge(1.0))
 register_judge("test-fail", lambda arg: _Judge(0.5))
 
 
+class _SlowJudge(_Judge):
+    def score(self, frames, prompt, reference=None):
+        time.sleep(1.0)   # a write-behind store that is still running when the request returns
+        return super().score(frames, prompt, reference)
+
+
+register_judge("test-slow", lambda arg: _SlowJudge(1.0))
+
+
 def _engine(tmp_path, judge="test-pass", write_behind=None, **opts):
     eng0 = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c0", device="cpu", embedder=hashed_embedder(64))
     path = tmp_path / "content.json"
@@ -196,12 +207,33 @@ def test_write_behind_returns_before_the_entry_is_written_and_flush_waits(tmp_pa
     assert r.stats.hit and r.stats.source_id == a.stats.entry_id
 
 
+def test_write_behind_holds_the_single_flight_lease_until_the_entry_is_written(tmp_path):
+    """The same request sent again while the first one's entry is still being written (a slow judge) waits for the
+    write and is served from it (an exact hit), not generated a second time; each result's flush waits for its own."""
+    eng = _engine(tmp_path, judge="test-slow", write_behind=True)
+    a = eng.generate(SRC, seed=101, num_inference_steps=STEPS)
+    assert a.stats.entry_id is None   # returned before its write (which judges for a second) ended
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("b", eng.generate(SRC, seed=101, num_inference_steps=STEPS)))
+    t.start()
+    t.join(60)
+    b = got["b"]
+    assert b.stats.exact_hit and b.stats.entry_id is None and b.stats.source_id is not None
+    eng.flush(a)
+    assert a.stats.entry_id == b.stats.source_id
+
+
 def test_a_source_that_fails_the_admission_judge_is_never_reused(tmp_path):
+    from carnator.explain import describe
+
     eng = _engine(tmp_path, judge="test-fail")
     a = eng.generate(SRC, seed=105, num_inference_steps=STEPS)
     assert eng.store.get(a.stats.entry_id).extra["admitted"] is False
     r = eng.generate(SRC, seed=106, num_inference_steps=STEPS, store=False)
     assert not r.stats.hit
+    # the reason says why the request that asks the same was no source (describe keeps it)
+    assert r.stats.reason.startswith("1 cached request asks the same, but its own clip failed the admission judge")
+    assert describe(eng, r).reason == r.stats.reason
     # the same entry is a source when the policy does not ask for admission
     eng2 = _engine(tmp_path / "b", judge="test-fail", admitted_only=False)
     eng2.generate(SRC, seed=105, num_inference_steps=STEPS)

@@ -125,7 +125,8 @@ def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.in
             s = res.stats
             row = {"policy": name, "i": i, "kind": r.kind, "hit": bool(s.hit), "exact": bool(s.exact_hit),
                    "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0),
-                   "timings": {k: float(v) for k, v in s.timings.items()}, **judge.score(res.frames, r.prompt),
+                   # (a copy: a write-behind store may still add to the timings)
+                   "timings": {k: float(v) for k, v in dict(s.timings).items()}, **judge.score(res.frames, r.prompt),
                    "reason": s.reason, "admitted": s.notes.get("admitted")}
             base = trace.warm[r.source].prompt if getattr(r, "source", None) is not None else None
             src = eng.store.get(s.source_id) if s.hit and s.source_id else None

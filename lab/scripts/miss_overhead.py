@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cfg = EngineConfig(cuda_graphs=args.cuda_graphs, latent_dtype="float16" if args.device == "cuda" else "float32")
+    cfg = EngineConfig(cuda_graphs=args.cuda_graphs, latent_dtype="float16" if args.device == "cuda" else "float32",
+                       write_behind=False)  # the difference of the stored and unstored rows is the store
     eng = Carnator.from_pretrained("embedded", tempfile.mkdtemp(prefix="carnator-miss-"), device=args.device, config=cfg)
     prompts = [r.prompt for r in world_trace(args.n + 3, 0, seed=7, split="heldout").warm]
     variants = {"dense": dict(policy="dense", store=False), "carnator miss, stored": dict(policy="carnator"),

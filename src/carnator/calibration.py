@@ -169,7 +169,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
             tenant = f"calib{i}"
             t0 = time.perf_counter()
             source_res = engine.generate(src, seed=s_seed, policy="carnator-source", tenant=tenant, **kw)
-            engine.flush()  # the source's entry is written (write-behind on a GPU) before the reuse reads it
+            engine.flush(source_res)  # the source's entry is written (write-behind on a GPU) before the reuse reads it
             t1 = time.perf_counter()
             dense = engine.generate(tgt, seed=t_seed, policy="dense", tenant=tenant, store=False, **kw)
             t2 = time.perf_counter()

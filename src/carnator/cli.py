@@ -309,7 +309,7 @@ def cmd_generate(args) -> int:
         raise CarnatorError(f"cannot write {out}: {e.strerror or e}") from e
     from .explain import describe
 
-    eng.flush()  # an entry written behind (on a GPU) is stored while the video was written: its id is reported
+    eng.flush(res)  # an entry written behind (on a GPU) is stored while the video was written: its id is reported
     s, why = res.stats, describe(eng, res)
     total = s.timings.get("total", 0.0)
     if args.json:

@@ -75,7 +75,7 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
     made_by: dict[str, int] = {}  # cache entry id -> the request of this run that stored it
     for i, (prompt, seed) in enumerate(stream):
         res = engine.generate(prompt, seed=seed, policy=policy, num_inference_steps=steps)
-        engine.flush()  # its entry written (behind, on a GPU) before the dense run is timed and the next request recalls
+        engine.flush(res)  # its entry written (behind, on a GPU) before the dense run is timed and the next request recalls
         ref = engine.generate(prompt, seed=seed, policy="dense", num_inference_steps=steps, store=False, cache="off")
         s, why = res.stats, describe(engine, res)
         gif, dense_gif = f"{i:02d}.gif", f"{i:02d}-dense.gif"

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,7 +175,7 @@ class Carnator:
             if unknown:
                 raise ValueError(f"EngineConfig.admission_rule names scores the judge {self._judge.name} lacks: {unknown}")
         self._writer: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
+        self._pending: list[tuple[Stats, Future]] = []  # write-behind stores not yet known to have ended
         wb = self.config.write_behind
         #: whether entries are stored on a background thread (``EngineConfig.write_behind``; None: on a CUDA device)
         self.write_behind = bool(wb) if wb is not None else torch.device(self.adapter.device).type == "cuda"
@@ -364,14 +365,17 @@ class Carnator:
         flight = contextlib.nullcontext(False)
         if mode != "off" and store and self.config.store_video:
             flight = self.store.single_flight(req.tenant, exact_key)  # the same request elsewhere: wait for its video
-        with flight as waited:
+        with contextlib.ExitStack() as lease:
+            waited = lease.enter_context(flight)
             if waited:
                 res = self._exact(req, pol, exact_key, stats)
                 if res is not None:
                     stats.timings["total"] = time.perf_counter() - t_start
                     return res
             with self._serial or contextlib.nullcontext():
-                return self._run(req, pol, mode, store, exact_key, stats, t_start, decision, progress, cancel, events)
+                # (a write-behind store takes the lease over: the same request elsewhere waits until it is written)
+                return self._run(req, pol, mode, store, exact_key, stats, t_start, decision, progress, cancel, events,
+                                 lease)
 
     def _exact(self, req: Request, pol: Policy, exact_key: str, stats: Stats) -> Result | None:
         """The exact tier: an identical earlier request's stored video (reading the video only), or None."""
@@ -389,7 +393,7 @@ class Carnator:
         return Result(frames=tensors[VIDEO].numpy(), stats=stats, request=req)
 
     def _run(self, req: Request, pol: Policy, mode: str, store: bool, exact_key: str, stats: Stats, t_start: float,
-             injected: Decision | None, progress, cancel, events) -> Result:
+             injected: Decision | None, progress, cancel, events, lease: contextlib.ExitStack | None = None) -> Result:
         ad, tm = self.adapter, stats.timings
         # (Engines sharing one adapter may differ in their intra-request cache and CUDA graphs: apply this engine's.)
         intra = ad.use_intra_cache(self.intra_cache_spec)
@@ -437,7 +441,7 @@ class Carnator:
         if mode == "reuse" and fallback is None and pol.recall_k() > 0:
             t0 = time.perf_counter()
             by_content = content_key(content) if pol.recall_by_content() else None
-            if by_content is not None and not pol.recall_by_sentence():
+            if by_content is not None and not pol.recall_by_sentence() and hasattr(self.store, "same_content"):
                 # the embedding is computed only to store the entry (on the writer thread with write-behind)
                 found = recall_content(self.store, req.tenant, key, by_content, pol.recall_k())
             else:
@@ -522,12 +526,8 @@ class Carnator:
         if store:
             t0 = time.perf_counter()
             if self.write_behind:
-                with self._lock:
-                    if self._writer is None:
-                        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-store")
-                    self._pending = [f for f in self._pending if not f.done()]
-                    self._pending.append(self._writer.submit(self._store, req, pol, inputs, plan, state, frames, key,
-                                                             exact_key, embedding, stats))
+                self._write_behind(lease.pop_all() if lease is not None else None, req, pol, inputs, plan, state, frames,
+                                   key, exact_key, embedding, stats)
             else:
                 self._store(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
             tm["store"] = time.perf_counter() - t0
@@ -536,12 +536,39 @@ class Carnator:
         tm["total"] = time.perf_counter() - t_start
         return Result(frames=frames, stats=stats, request=req, video=video)
 
-    def flush(self) -> None:
-        """Wait until every write-behind store (``EngineConfig.write_behind``) has finished."""
+    def _write_behind(self, release: contextlib.ExitStack | None, req: Request, *args) -> None:
+        """Queue the store of a finished request on the writer thread; ``release`` (the request's single-flight lease)
+        is closed when the write ends. At most :data:`MAX_PENDING_WRITES` writes wait: each holds its request's latents,
+        so a writer that falls behind makes the next request wait instead of memory growing."""
+
+        def write() -> None:
+            try:
+                self._store(req, *args)
+            finally:
+                if release is not None:
+                    release.close()
+
+        stats = args[-1]
         with self._lock:
-            pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-store")
+            self._pending = [(s, f) for s, f in self._pending if not f.done()]
+            oldest = self._pending[0][1] if len(self._pending) >= MAX_PENDING_WRITES else None
+        if oldest is not None:
+            futures.wait([oldest])
+        fut = self._writer.submit(write)
+        fut.add_done_callback(_log_write_error)
+        with self._lock:
+            self._pending.append((stats, fut))
+
+    def flush(self, result: Result | None = None) -> None:
+        """Wait until the write-behind stores (``EngineConfig.write_behind``) have ended: ``result``'s own (its
+        ``stats.entry_id`` is then set), or every one queued so far. A write's failure is logged, never raised here."""
+        with self._lock:
+            wait = [f for s, f in self._pending if result is None or s is result.stats]
+        futures.wait(wait)
+        with self._lock:
+            self._pending = [(s, f) for s, f in self._pending if not f.done()]
 
     def _prefetch(self, what) -> tuple[str, Future] | None:
         """Read a candidate's tensors in a background thread while the probe runs."""
@@ -592,9 +619,15 @@ class Carnator:
 
     def _store(self, req: Request, pol: Policy, inputs: DecisionInputs, plan: ReusePlan, state: denoise.DenoiseState,
                frames: np.ndarray, key: str, exact_key: str, embedding: np.ndarray | None, stats: Stats) -> None:
-        """Embed the prompt for recall (unless recall already did) and admit the entry; ``stats.entry_id`` its id."""
+        """Embed the prompt for recall (unless recall already did) and admit the entry; ``stats.entry_id`` its id. A
+        failing embedder costs the entry, not the video (as a failing store does)."""
         if embedding is None:
-            embedding = self.embed(req.prompt)
+            try:
+                embedding = self.embed(req.prompt)
+            except Exception as e:  # noqa: BLE001 - the user's embedder: whatever it raises, the video is made
+                log.warning("could not store the result in the cache: the recall embedder failed: %s", _first_line(e))
+                stats.notes["store_error"] = f"the recall embedder failed: {_first_line(e)}"
+                return
         stats.entry_id = self._admit(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
 
     def _admit(self, req: Request, pol: Policy, inputs: DecisionInputs, plan: ReusePlan, state: denoise.DenoiseState,
@@ -696,3 +729,13 @@ def _check_device(device: str) -> None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+#: write-behind stores that may wait at once (:meth:`Carnator._write_behind`)
+MAX_PENDING_WRITES = 2
+
+
+def _log_write_error(fut: Future) -> None:
+    exc = fut.exception()
+    if exc is not None:
+        log.error("a write-behind store failed: %s", _first_line(exc), exc_info=exc)

@@ -112,7 +112,10 @@ def describe(engine, res) -> Outcome:
         k = int(notes["candidates"])
         tested = notes.get("tested") or []
         if k == 0 and notes.get("recall") == "content":
-            _nearest_by_sentence(engine, res, tau, out)
+            if notes.get("recalled") == 0:   # nothing asks the same: say what the nearest sentence asks differently
+                _nearest_by_sentence(engine, res, tau, out)
+            else:                            # some ask the same but cannot be sources: the policy says why
+                out.reason = s.reason
         elif k == 0:
             out.reason = "nothing cached with the same nouns (or one noun substituted) and settings"
         elif not tested:
@@ -145,7 +148,7 @@ def _nearest_by_sentence(engine, res, tau, out: Outcome) -> None:
     s, req = res.stats, res.request
     out.reason = s.reason
     try:
-        engine.flush()  # this request's own entry, when written behind, is then known and left out
+        engine.flush(res)  # this request's own entry, when written behind, is then known and left out
         pol = engine.policy(s.policy)
         found = engine.store.recall(req.tenant, engine.compat_key(req, pol), engine.embed(req.prompt), k=2)
     except Exception:  # noqa: BLE001 - an explanation must never fail the request it explains
@@ -155,6 +158,8 @@ def _nearest_by_sentence(engine, res, tau, out: Outcome) -> None:
         return
     mine, theirs = engine.content(req.prompt), near.extra.get("content")
     d = content_distance(mine, theirs)
+    if d == 0:  # the nearest asks the same yet was no candidate (e.g. a reuse's own entry): the policy's reason stands
+        return
     out.tested_id, out.source_prompt, out.source_seed = near.id, near.prompt, near.seed
     out.checks, out.risk = _checks(tau, {"content": d})
     what = _source_text(Outcome("", "", 0, 0, 0, source_id=near.id, source_prompt=near.prompt, source_seed=near.seed))

@@ -31,7 +31,8 @@ class GraphedForward:
                 fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: a write-behind store's copies on another thread may run while a new shape is captured
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.output = fn(*self.inputs)
 
     def __call__(self, *inputs) -> torch.Tensor:

@@ -316,7 +316,7 @@ class CarnatorPolicy(Policy):
         cands = self.candidates(inputs)
         notes = {"candidates": len(cands), "signature": sig.to_dict()}
         if not self.recall_by_sentence():
-            notes["recall"] = "content"
+            notes["recall"], notes["recalled"] = "content", len(inputs.candidates)
         if not cands and not self.recall_by_sentence():
             if not inputs.candidates:
                 why = ("nothing cached asks the same (this rule reuses only a request with the same objects, sizes, "

@@ -244,7 +244,7 @@ class EngineReplica:
                     pass
                 if self.engine.write_behind:  # the job's stats name the entry it stored
                     try:
-                        self.engine.flush()
+                        self.engine.flush(res)
                     except Exception:  # noqa: BLE001 - the video is made; a failed store costs only the entry
                         log.exception("storing a cache entry failed on replica %s", self.replica)
                 events.put({"kind": "result", "frames": res.frames, "stats": res.stats, "request": res.request,

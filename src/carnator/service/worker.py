@@ -288,7 +288,7 @@ class WorkerPool:
                 "type": "storage_error", "message": f"could not save the video{full}: {e.strerror or e}"})
         if getattr(eng, "write_behind", False):  # the entry was stored while the videos were encoded: its id goes
             try:                                 # into the job's stats
-                eng.flush()
+                eng.flush(res)
             except Exception:  # noqa: BLE001 - the video is made; a failed store costs only the entry
                 log.exception("job %s: storing its cache entry failed", job.id)
         key = DenseEstimate.key(job.tenant, p, res.request)
