@@ -315,3 +315,33 @@ def test_serve_command_line_mistakes_are_one_line(tmp_path, capsys):
     bad.write_text("{nope")
     assert "is not JSON" in err("--keys", str(bad))
     assert "expected an integer" in err("--port", "70000")
+
+
+def test_a_late_event_subscriber_still_gets_the_running_attempts_decision():
+    """The decision of a request that needs no probe comes milliseconds after its start, often before a client's event
+    stream is open: the hub replays it to a later subscriber until the attempt ends (and never a previous attempt's)."""
+    import asyncio
+
+    from carnator.service.events import DONE, EventHub
+
+    async def scenario():
+        hub = EventHub()
+        hub.publish("j", "in_progress", {"status": "in_progress"})
+        hub.publish("j", "decision", {"reuse": False, "reason": "nothing cached asks the same"})
+        late = hub.subscribe("j")
+        first = await late.get(timeout=1)
+        hub.publish("j", "progress", {"step": 1})
+        await asyncio.sleep(0)
+        second = await late.get(timeout=1)
+        hub.publish("j", DONE, {"status": "completed"})
+        after = hub.subscribe("j")
+        replayed = await after.get(timeout=0.05)
+        hub.publish("k", "decision", {"reuse": True})
+        hub.publish("k", "queued", {"status": "queued"})   # requeued: a new attempt decides anew
+        requeued = await hub.subscribe("k").get(timeout=0.05)
+        return first, second, replayed, requeued
+
+    first, second, replayed, requeued = asyncio.run(scenario())
+    assert first == ("decision", {"reuse": False, "reason": "nothing cached asks the same"})
+    assert second == ("progress", {"step": 1})
+    assert replayed is None and requeued is None

@@ -1,7 +1,9 @@
 """Live job events for Server-Sent Events subscribers: the worker thread publishes, asyncio handlers read.
 
-Events are not stored: a subscriber first reads the job's state from the job store (subscribing before it reads, so
-nothing falls between), then what happens next. A slow subscriber loses old ``progress`` events, never others.
+Events are not stored, but for a running job's decision: a subscriber first reads the job's state from the job store
+(subscribing before it reads, so nothing falls between), then the attempt's decision if it was already taken (a
+decision comes within milliseconds of the start when nothing needs probing), then what happens next. A slow subscriber
+loses old ``progress`` events, never others.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class EventHub:
 
     def __init__(self) -> None:
         self._subs: dict[str, set[Subscription]] = {}
+        self._decisions: dict[str, dict[str, Any]] = {}   # a running attempt's decision, for late subscribers
         self._lock = threading.Lock()
         self.closed = False
 
@@ -57,6 +60,8 @@ class EventHub:
         sub = Subscription(job_id, asyncio.get_running_loop())
         with self._lock:
             self._subs.setdefault(job_id, set()).add(sub)
+            if job_id in self._decisions:
+                sub._put(("decision", self._decisions[job_id]))
             if self.closed:
                 sub._put((CLOSED, {}))
         return sub
@@ -72,6 +77,10 @@ class EventHub:
     def publish(self, job_id: str, kind: str, data: dict[str, Any]) -> None:
         """From any thread."""
         with self._lock:
+            if kind == "decision":
+                self._decisions[job_id] = data
+            elif kind in (DONE, "queued", "in_progress"):  # the attempt ended, or a new one begins
+                self._decisions.pop(job_id, None)
             subs = list(self._subs.get(job_id, ()))
         for sub in subs:
             try:
