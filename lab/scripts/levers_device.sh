@@ -3,7 +3,7 @@
 # diffusers.zip, the MiniLM package under py/, pairs3000.jsonl = the stream_pairs(3000, MiniLM, warm=1000) list).
 #
 #   bash lab/scripts/levers_device.sh OUT sources          # levers_sources.py: A (same-content sources judged), B (own sample, 8 prompts)
-#   [VARIANTS=...] [SOURCES=0] [SEQUENTIAL=1] [FILL_NIRVANA=1] [KEEP_WARM=1] bash lab/scripts/levers_device.sh OUT stream SECONDS   # levers_stream.py W = 1,000 / S = 300: dense and
+#   [VARIANTS=...] [SOURCES=0] [SEQUENTIAL=1] [FILL_NIRVANA=1] [KEEP_WARM=1] [WARM=1000 TEST=300] bash lab/scripts/levers_device.sh OUT stream SECONDS   # levers_stream.py W = 1,000 / S = 300: dense and
 #        VARIANTS (default shipped,gate,fast), with levers_sources.py (A and B) beside it unless SOURCES=0
 #   bash lab/scripts/levers_device.sh OUT content          # the pairs recall by content adds (levers_content_pairs.py draw,
 #        .cache/dev/content-pairs.jsonl): `carnator calibrate` rows, and their sources judged (levers_sources.py A)
@@ -28,7 +28,7 @@ keep() {  # whole lines of a calibrate run's pairs.jsonl (a cut leaves a partial
 case $mode in
   sources) python3 lab/scripts/levers_sources.py --pairs .cache/dev/pairs3000.jsonl --out "$out/sources" --jobs 14 \
              --own-n 8 --same-content 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
-  stream) python3 lab/scripts/levers_stream.py --out "$out/stream" --warm 1000 --test 300 --jobs 14 \
+  stream) python3 lab/scripts/levers_stream.py --out "$out/stream" --warm ${WARM:-1000} --test ${TEST:-300} --jobs 14 \
              --variants "${VARIANTS:-shipped,gate,fast}" --budget "$budget" $([ "${SEQUENTIAL:-0}" = 1 ] && echo --sequential) \
              $([ "${KEEP_WARM:-0}" = 1 ] && echo --keep-warm) $([ "${FILL_NIRVANA:-0}" = 1 ] && echo --fill-nirvana) \
              $([ "${SOURCES:-1}" = 1 ] && echo --sources .cache/dev/pairs3000.jsonl --sources-jobs 4 --own-n 8) 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
