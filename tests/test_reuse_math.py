@@ -538,6 +538,7 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
 
     engine = _fake_engine()
     engine.generate, engine.store = generate, SimpleNamespace(clear=lambda tenant: None)
+    engine.flush = lambda result=None: None   # (its stores are synchronous: nothing is written behind)
     engine.resolve = lambda prompt, *, seed, num_inference_steps=None: SimpleNamespace(num_inference_steps=50)
     kw = {"judge": FakeJudge(), "rule": _rule(), "source": {"pairs_from": "test"}, "progress": lambda *_: None}
     assert run_calibration(engine, tmp_path, pairs, shard=(1, 2), **kw) is None
