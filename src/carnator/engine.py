@@ -526,8 +526,8 @@ class Carnator:
         if store:
             t0 = time.perf_counter()
             if self.write_behind:
-                self._write_behind(lease.pop_all() if lease is not None else None, req, pol, inputs, plan, state, frames,
-                                   key, exact_key, embedding, stats)
+                self._write_behind(lease.pop_all() if lease is not None else None, stats,
+                                   (req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats))
             else:
                 self._store(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
             tm["store"] = time.perf_counter() - t0
@@ -536,19 +536,18 @@ class Carnator:
         tm["total"] = time.perf_counter() - t_start
         return Result(frames=frames, stats=stats, request=req, video=video)
 
-    def _write_behind(self, release: contextlib.ExitStack | None, req: Request, *args) -> None:
-        """Queue the store of a finished request on the writer thread; ``release`` (the request's single-flight lease)
-        is closed when the write ends. At most :data:`MAX_PENDING_WRITES` writes wait: each holds its request's latents,
+    def _write_behind(self, release: contextlib.ExitStack | None, stats: Stats, store_args: tuple) -> None:
+        """Queue :meth:`_store` of a finished request (``store_args``) on the writer thread; ``release`` (the request's
+        single-flight lease) is closed when the write ends. At most :data:`MAX_PENDING_WRITES` writes wait: each holds its request's latents,
         so a writer that falls behind makes the next request wait instead of memory growing."""
 
         def write() -> None:
             try:
-                self._store(req, *args)
+                self._store(*store_args)
             finally:
                 if release is not None:
                     release.close()
 
-        stats = args[-1]
         with self._lock:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-store")

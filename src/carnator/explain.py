@@ -87,10 +87,7 @@ def describe(engine, res) -> Outcome:
     if s.exact_hit:
         out.reason = f"the same request as {src}: its stored video"
     elif s.hit:
-        d = notes.get("discrepancies")
-        if d and notes.get("probe") == "skipped":  # no signature was read: its dimensions were not measured
-            d = {k: v for k, v in d.items() if k not in ("context", "size", "shape", "color")}
-        out.checks, out.risk = _checks(tau, d)
+        out.checks, out.risk = _checks(tau, notes.get("discrepancies"))
         out.headline = f"compatible with {src}; resumed at step {s.resume_step} of {n}"
         if out.risk is not None:
             passed = f"risk {out.risk[0]:.3f} <= {out.risk[1]:.3f}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -347,6 +347,8 @@ class CarnatorPolicy(Policy):
         won = first_compatible(sig, [(s, diff, c.similarity, k) for (c, diff, s), k in zip(tested, contents)], self.tau,
                                self.cfg.compat)
         results = won.tested
+        if inputs.signature is None:  # no probe ran: context was not measured (not the paper's 0 for no shared noun)
+            results = [replace(d, context=math.inf) for d in results]
         notes["tested"] = [{"id": c.meta.id, "similarity": c.similarity, "discrepancies": d.to_dict(),
                             "risk": None if self.tau.risk is None else self.tau.risk.risk(d)}
                            for (c, _, _), d in zip(tested, results)]
