@@ -25,6 +25,8 @@ import numpy as np
 from .errors import CarnatorError
 from .judges import Judge, QualityRule
 from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate, separation
+from .reuse.tiers import KINDS, SAME_CONTENT_KINDS, Tier, certify_tiers
+from .signature.content import change_kind
 
 Pair = tuple[str, str, int, str, int]
 
@@ -49,6 +51,11 @@ def backfill_text(rows, embedder) -> None:
         cos = (_unit(embedder, [r["source"] for r in todo]) * _unit(embedder, [r["target"] for r in todo])).sum(1)
         for r, c in zip(todo, cos):
             r["d"]["text"] = max(0.0, 1.0 - float(c))
+
+
+def _row_key(row: Mapping, tiered: bool):
+    """A stored row's key: its pair, and with several resume steps (tiers) its step too."""
+    return (row["i"], row["resume_step"]) if tiered else row["i"]
 
 
 def reused_rows(rows) -> list[dict]:
@@ -100,14 +107,18 @@ def seconds_per_pair(rows) -> dict[str, float]:
 
 def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judge: Judge, rule: QualityRule,
                     source: Mapping | None = None, steps: int | None = None, settings: Mapping | None = None,
-                    cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | None = None, progress=print,
-                    shard: tuple[int, int] | None = None) -> dict | None:
+                    cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | Sequence[int] | None = None,
+                    progress=print, shard: tuple[int, int] | None = None) -> dict | None:
     """Generate and judge the ``pairs`` not yet in ``out_dir/pairs.jsonl``, then select and certify thresholds and write
     them (thresholds.json, calibration.json); returns the summary. ``pairs=None`` (``--select-only``) generates nothing:
     it selects and certifies from every pair already there, e.g. under another rule. ``source``: how the pairs were
     drawn (recorded in pairs.meta.json with the policy's reading and the judge; a resumed run must match it).
     ``settings``: generation settings (height, width, num_frames, guidance_scale) for every request.
-    ``shard=(k, n)``: only pairs k, k + n, ... and return None without selecting (a worker of ``--jobs n``)."""
+    ``shard=(k, n)``: only pairs k, k + n, ... and return None without selecting (a worker of ``--jobs n``).
+
+    ``resume_step``: one step, or several (risk tiers): each pair's source is then generated once and its target
+    reused from every step, one row per (pair, step), and the thresholds file certifies one tier per kind of change
+    (:func:`carnator.reuse.certify_tiers`) instead of one set of thresholds."""
     from .policies.carnator import DEFAULT_RESUME_STEP, CarnatorConfig, CarnatorPolicy
 
     log_path = out_dir / "pairs.jsonl"
@@ -115,25 +126,37 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     if not generate and not (log_path.exists() and log_path.stat().st_size > 0):
         raise CarnatorError(f"{out_dir} holds no pairs to select from (pairs.jsonl); run without --select-only first")
     out_dir.mkdir(parents=True, exist_ok=True)
-    open_tau = out_dir / "open_thresholds.json"
-    Thresholds(math.inf, math.inf, math.inf, math.inf).save(open_tau, model_id=engine.model_identity)
     base = engine.policy("carnator").cfg
+    if resume_step is None or isinstance(resume_step, int):
+        resume_step = [int(resume_step or base.resume_step or DEFAULT_RESUME_STEP)]
+    at_steps = sorted({int(r) for r in resume_step})
+    tiered = len(at_steps) > 1
+    # Forced reuse: thresholds that accept every pair (with tiers, a tier open for every kind of change, so that the
+    # reuse is decided and planned as a served one is; its resume step is the run's, not the nominal 1 of 2).
+    open_tau = out_dir / "open_thresholds.json"
+    open_tiers = tuple(Tier(k, 1, 2, scope="frame" if k in SAME_CONTENT_KINDS else "region", certified=True)
+                       for k in KINDS) if tiered else ()
+    Thresholds(math.inf, math.inf, math.inf, math.inf, tiers=open_tiers).save(open_tau, model_id=engine.model_identity)
     # One resume step for every pair, named (not the thresholds file's own), and recorded with the thresholds it certifies;
     # the probe on every request, so that every pair's discrepancies are measured whatever the thresholds read.
-    at = {"resume_step": int(resume_step or base.resume_step or DEFAULT_RESUME_STEP), "probe": "always"}
-    forced = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), **at}))
-    forced.name = "carnator-forced"
-    engine.use_policy(forced)
-    if isinstance(getattr(engine, "_warned", None), set):  # forced reuse is the point here: no "uncertified" notice
-        engine._warned.add(f"uncertified:{forced.name}")
-    # The source runs carnator with the same resume step, so that its entry keeps the latents the reuse reads
+    forced_name = {}
+    for r in at_steps:
+        forced = CarnatorPolicy(CarnatorConfig(**{**vars(base), "thresholds": str(open_tau), "resume_step": r, "probe": "always"}))
+        forced.name = forced_name[r] = "carnator-forced" if not tiered else f"carnator-forced-{r}"
+        engine.use_policy(forced)
+        if isinstance(getattr(engine, "_warned", None), set):  # forced reuse is the point here: no "uncertified" notice
+            engine._warned.add(f"uncertified:{forced.name}")
+    # The source runs carnator from the earliest resume step, so that its entry keeps every latent the reuses read
     # (EngineConfig.capture_steps="auto"); it is alone in its tenant, so always a miss.
+    at = {"resume_step": at_steps[0], "probe": "always"}
     source_pol = CarnatorPolicy(CarnatorConfig(**{**vars(base), **at}))
     source_pol.name = "carnator-source"
     engine.use_policy(source_pol)
     reading = CarnatorPolicy(base).reading()
     # The reading and the judge are part of what a pair means: a resumed run must read and judge as the first did.
     drawn = {**dict(source or {}), "reading": json.loads(json.dumps(reading)), "judge": judge.identity}
+    if tiered:
+        drawn["resume_steps"] = at_steps
     meta_path = out_dir / "pairs.meta.json"
     if meta_path.exists():
         stored = json.loads(meta_path.read_text())
@@ -152,9 +175,10 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
         for line in log_path.read_text().splitlines():
             r = json.loads(line)
             r["acceptable"] = rule.label(r)   # this run's rule: a run resumed with other deltas relabels
-            done[r["i"]] = r
+            done[_row_key(r, tiered)] = r
     kw = {"num_inference_steps": steps, **dict(settings or {})}
-    todo = [i for i in range(len(pairs or ())) if i not in done and (shard is None or i % shard[1] == shard[0])]
+    todo = [i for i in range(len(pairs or ())) if (shard is None or i % shard[1] == shard[0])
+            and any(_row_key({"i": i, "resume_step": r}, tiered) not in done for r in at_steps)]
     t_start, n_todo = time.perf_counter(), len(todo)
     # every pair runs the same settings: their number of steps, recorded with each row (the file's meta.resume)
     n_steps = engine.resolve(pairs[todo[0]][3], seed=0, **kw).num_inference_steps if todo else None
@@ -173,38 +197,48 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
             t1 = time.perf_counter()
             dense = engine.generate(tgt, seed=t_seed, policy="dense", tenant=tenant, store=False, **kw)
             t2 = time.perf_counter()
-            reuse = engine.generate(tgt, seed=t_seed, policy="carnator-forced", tenant=tenant, store=False, **kw)
-            t3 = time.perf_counter()
             # (reference scores of the dense clip are against itself: the best a reuse can reach)
-            jd, jr = judge.score(dense.frames, tgt, reference=dense.frames), judge.score(reuse.frames, tgt, reference=dense.frames)
-            t4 = time.perf_counter()
-            d = reuse.stats.notes.get("discrepancies")
-            row = {"i": i, "kind": kind, "source": src, "target": tgt, "hit": reuse.stats.hit, "d": d,
-                   "dense": jd, "reuse": jr,
-                   "dit_dense": dense.stats.timings.get("dit"), "dit_reuse": reuse.stats.timings.get("dit"),
-                   # wall seconds of the pair's four parts; each generation's own decode and DiT seconds are inside them
-                   "seconds": {"source": t1 - t0, "dense": t2 - t1, "reuse": t3 - t2, "judge": t4 - t3,
-                               "decode": sum(r.stats.timings.get("decode", 0.0) for r in (source_res, dense, reuse)),
-                               "dit": sum(r.stats.timings.get("dit", 0.0) for r in (source_res, dense, reuse))},
-                   # the plan's parameters (bench-scale replays these at real sizes)
-                   "resume_step": reuse.stats.resume_step, "active_fraction": reuse.stats.active_fraction,
-                   "mask_density": reuse.stats.mask_density,
-                   "num_steps": n_steps}
-            # Both Early Signatures, so that other discrepancy definitions can be evaluated on these rows offline.
-            src_meta = engine.store.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
-            row["signatures"] = {"query": reuse.stats.notes.get("signature"),
-                                 "source": None if src_meta is None else src_meta.extra.get("signature")}
-            row["acceptable"] = rule.label(row)
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            done[i] = row
+            jd = judge.score(dense.frames, tgt, reference=dense.frames)
+            # what changed from the source to the target, as the policy names it when it decides (the tier's kind)
+            change = change_kind(tgt, src, engine.content(tgt), engine.content(src))
+            for r_step in at_steps:
+                if _row_key({"i": i, "resume_step": r_step}, tiered) in done:
+                    continue
+                t3 = time.perf_counter()
+                reuse = engine.generate(tgt, seed=t_seed, policy=forced_name[r_step], tenant=tenant, store=False, **kw)
+                t4 = time.perf_counter()
+                jr = judge.score(reuse.frames, tgt, reference=dense.frames)
+                t5 = time.perf_counter()
+                d = reuse.stats.notes.get("discrepancies")
+                row = {"i": i, "kind": kind, "change": change, "source": src, "target": tgt, "hit": reuse.stats.hit, "d": d,
+                       "reason": reuse.stats.reason,
+                       "dense": jd, "reuse": jr,
+                       "dit_dense": dense.stats.timings.get("dit"), "dit_reuse": reuse.stats.timings.get("dit"),
+                       # wall seconds of the pair's four parts; each generation's own decode and DiT seconds are inside them
+                       "seconds": {"source": t1 - t0, "dense": t2 - t1, "reuse": t4 - t3, "judge": t5 - t4,
+                                   "decode": sum(g.stats.timings.get("decode", 0.0) for g in (source_res, dense, reuse)),
+                                   "dit": sum(g.stats.timings.get("dit", 0.0) for g in (source_res, dense, reuse))},
+                       # the plan's parameters (bench-scale replays these at real sizes)
+                       "resume_step": reuse.stats.resume_step if reuse.stats.hit else r_step,
+                       "active_fraction": reuse.stats.active_fraction, "mask_density": reuse.stats.mask_density,
+                       "num_steps": n_steps}
+                # Both Early Signatures, so that other discrepancy definitions can be evaluated on these rows offline.
+                src_meta = engine.store.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
+                row["signatures"] = {"query": reuse.stats.notes.get("signature"),
+                                     "source": None if src_meta is None else src_meta.extra.get("signature")}
+                row["acceptable"] = rule.label(row)
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                done[_row_key(row, tiered)] = row
             engine.store.clear(tenant=tenant)
             bar.update(1)
             per = (time.perf_counter() - t_start) / (k + 1)
-            say(f"{len(done)}/{len(pairs)} {kind:7s} hit={row['hit']} acceptable={row['acceptable']} "
+            say(f"{len(done)}/{len(pairs) * len(at_steps)} {kind:7s} hit={row['hit']} acceptable={row['acceptable']} "
                 f"({per:.1f} s/pair, ETA {per * (n_todo - k - 1):.0f} s)")
     if shard is not None:
         return None
+    if tiered:
+        return _write_tiers(engine, out_dir, done.values(), cfg, rule, judge, reading, drawn)
     rows = reused_rows(done.values())
     if any("text" not in r["d"] for r in rows):
         backfill_text(rows, engine.embedder)
@@ -228,5 +262,23 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
                "rule": rule.to_dict(), "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text,
                "decision_rule": cfg.rule, "separation": separation(cal_pairs), "result": res.to_dict(), "thresholds_file": str(tau_path),
                "seconds_per_pair": seconds_per_pair(done.values())}
+    (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def _write_tiers(engine, out_dir: Path, rows, cfg: CalibrationConfig, rule: QualityRule, judge: Judge, reading, drawn) -> dict:
+    """Certify one tier per kind of change from rows of several resume steps and write the thresholds file: the
+    certified tiers, and thresholds that read no signature (a tier's kind is read from the two prompts)."""
+    rows = sorted(rows, key=lambda r: (r["i"], r["resume_step"]))
+    table = certify_tiers(rows, cfg)
+    tiers = tuple(Tier.from_dict(t) for t in table.values() if t.get("certified"))
+    tau = Thresholds(math.inf, math.inf, math.inf, math.inf, tiers=tiers)
+    tau_path = out_dir / "thresholds.json"
+    tau.save(tau_path, model_id=engine.model_identity, reading=reading,
+             meta={"certified": bool(tiers), "tiers": table, "rule": rule.to_dict(), "judge": judge.identity,
+                   "delta": cfg.delta, "confidence": cfg.confidence, "selection_confidence": cfg.selection_confidence,
+                   "certification_split": {"selection_fraction": cfg.selection_fraction, "split_seed": cfg.split_seed}})
+    summary = {"pairs": len({r["i"] for r in rows}), **drawn, "rows": len(rows), "rule": rule.to_dict(), "tiers": table,
+               "thresholds_file": str(tau_path), "seconds_per_pair": seconds_per_pair(rows)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

@@ -358,6 +358,16 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _resume_steps(text: str) -> list[int]:
+    try:
+        steps = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step or steps separated by commas, got {text!r}") from None
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError(f"resume steps must be integers >= 1, got {text!r}")
+    return steps
+
+
 def cmd_calibrate(args) -> int:
     from .calibration import run_calibration
     from .reuse import CalibrationConfig
@@ -763,7 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--height", type=int, default=None, help="clip height (default: the model's)")
     k.add_argument("--width", type=int, default=None, help="clip width (default: the model's)")
     k.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
-    k.add_argument("--resume-step", type=int, default=None, help="the step a reuse resumes at (default: the policy's own setting, else 30); recorded in the thresholds file")
+    k.add_argument("--resume-step", type=_resume_steps, default=None, metavar="STEP[,STEP...]",
+                   help="the step a reuse resumes at (default: the policy's own setting, else 30); recorded in the thresholds file. "
+                        "Several (5,10,20,45): risk tiers, each pair reused from every step and one step certified per kind of change")
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
     k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",

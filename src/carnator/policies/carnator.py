@@ -21,11 +21,12 @@ import torch
 
 from ..attention.state import AttentionRecord, SparseConfig
 from ..errors import CarnatorError
-from ..plan import Decision, DecisionInputs, Phase, ProbeSpec, RegionSpec, ReusePlan
+from ..plan import Candidate, Decision, DecisionInputs, Phase, ProbeSpec, RegionSpec, ReusePlan
 from ..reuse import CompatConfig, ScopeConfig, Thresholds, explain, first_compatible, noun_diff
 from ..reuse.compat import NounDiff
+from ..reuse.tiers import SAME_CONTENT_KINDS, Tier
 from ..signature import EarlySignature, RegionConfig
-from ..signature.content import content_change, content_distance
+from ..signature.content import change_kind, content_change, content_distance
 from .base import Entry, ModelInfo, Policy, captured_masks, register_policy
 
 log = logging.getLogger("carnator")
@@ -145,6 +146,8 @@ class CarnatorPolicy(Policy):
         self.thresholds_source = "the paper's thresholds (uncertified)"
         #: the thresholds file's ``meta.resume`` ({"step", "of", "certified_steps"}); None: the file names none
         self.certified_resume: dict | None = None
+        #: the file's certified risk tiers by kind of change ({}: no tiers, the thresholds decide)
+        self.tiers: dict[str, Tier] = {}
         if self.cfg.thresholds is not None and not Path(self.cfg.thresholds).is_file():
             raise CarnatorError(f"thresholds file {self.cfg.thresholds} does not exist")
 
@@ -158,6 +161,7 @@ class CarnatorPolicy(Policy):
         """Load the thresholds: the configured file (refused for another model or reading), else the shipped file for
         the embedded model, else the paper's."""
         self.certified_resume = None
+        self.tiers = {}
         path = self.cfg.thresholds
         if path is not None:
             self._load(path, model)
@@ -193,6 +197,7 @@ class CarnatorPolicy(Policy):
         self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading(), judge=self.cfg.judge)
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
+        self.tiers = {t.kind: t for t in self.tau.tiers if t.certified}
         resume = meta.get("resume")
         self.certified_resume = dict(resume) if isinstance(resume, dict) and resume.get("step") and resume.get("of") else None
         why = ""
@@ -203,7 +208,12 @@ class CarnatorPolicy(Policy):
             why = f"; certified only with the admission gate {needs}, which this engine does not apply"
             log.warning("thresholds %s%s", path, why)
         steps = None if self.certified_resume is None else self.certified_resume.get("certified_steps", [self.certified_resume["step"]])
-        if self.certified and self.cfg.resume_step is not None and steps is not None and self.cfg.resume_step not in steps:
+        if self.certified and self.cfg.resume_step is not None and self.tiers:
+            # A tier's certificate holds at its own step: one step for every kind says nothing of theirs.
+            self.certified = False
+            why += f"; its tiers are certified at their own steps, not {self.cfg.resume_step}"
+            log.warning("thresholds %s%s", path, why)
+        elif self.certified and self.cfg.resume_step is not None and steps is not None and self.cfg.resume_step not in steps:
             # A later resume step recomputes less: the certificate of one step says nothing of another.
             self.certified = False
             why += f"; certified at resume steps {steps} of {self.certified_resume['of']}, not {self.cfg.resume_step}"
@@ -215,11 +225,18 @@ class CarnatorPolicy(Policy):
         return self.cfg.top_k
 
     def recall_by_content(self) -> bool:
-        return self.cfg.content_recall and not math.isinf(self.tau.content)
+        return self.cfg.content_recall and (not math.isinf(self.tau.content) or bool(self.tiers))
+
+    def edit_tiers(self) -> bool:
+        """Whether a tier reuses a change of content (an edit), not only re-rolls and rewordings."""
+        return any(k not in SAME_CONTENT_KINDS for k in self.tiers)
 
     def recall_by_sentence(self) -> bool:
         # A content-only rule that accepts only the same content (content 0, no text threshold) can reuse nothing a
         # sentence search adds: the entries asking the same are all its candidates, found without the embedding.
+        # An edit tier's candidates ask something else: the sentence search finds them.
+        if self.tiers:
+            return self.edit_tiers()
         return not (self.recall_by_content() and self.content_only() and self.tau.content == 0
                     and math.isinf(self.tau.text))
 
@@ -239,9 +256,16 @@ class CarnatorPolicy(Policy):
             r = DEFAULT_RESUME_STEP if at is None else int(round(at["step"] * num_steps / at["of"]))
         return max(r, self.cfg.probe_steps)
 
+    def tier_resume(self, tier: Tier, num_steps: int) -> int:
+        """The step a reuse by ``tier`` resumes at (the configured step overrides every tier's; never inside the probe
+        when the tier reads it)."""
+        r = self.cfg.resume_step if self.cfg.resume_step is not None else tier.resume_at(num_steps)
+        return max(r, self.cfg.probe_steps) if tier.scope == "region" else max(r, 1)
+
     def stored_steps(self, num_steps: int) -> set[int]:
         # A reuse resumes at r and blends with the source's latents after every later step: traj.{r-1} .. traj.{n-1}.
-        return set(range(self.resume_at(num_steps) - 1, num_steps))
+        first = min([self.tier_resume(t, num_steps) for t in self.tiers.values()], default=self.resume_at(num_steps))
+        return set(range(first - 1, num_steps))
 
     def uses_signature(self) -> bool:
         """Whether the thresholds read any Early Signature dimension (else a content-only rule: no probe needed)."""
@@ -251,13 +275,19 @@ class CarnatorPolicy(Policy):
     def content_only(self) -> bool:
         """Whether the thresholds decide by content alone (a content threshold, no signature dimension): a hit then asks
         the same as its source and recomputes the whole frame, so neither the decision nor the plan reads the probe."""
-        return not self.uses_signature() and not math.isinf(self.tau.content)
+        return not self.uses_signature() and not math.isinf(self.tau.content) and not self.edit_tiers()
 
     def probe_needed(self, inputs: DecisionInputs) -> bool:
         """Whether this request's probe can change the decision or the plan (``CarnatorConfig.probe``); the engine
         asks after recall and skips the probe when not."""
         if self.cfg.probe == "always":
             return True
+        if self.edit_tiers():
+            # An edit's plan recomputes the regions the probe reads, and every entry stores them for later edits; only
+            # a request that will resume a same-content candidate (its whole frame recomputed) needs none.
+            cands = self.candidates(inputs, need_signature=False)
+            first = self.tier_for(inputs, cands[0][0]) if cands else None
+            return first is None or first.scope != "frame"
         # With thresholds that read a signature the probe always runs: its signature is stored with the entry, and a
         # later request's test needs it even when this request has no candidate. Without a content threshold either
         # (open thresholds), the plan's target region is the probe's evidence.
@@ -279,17 +309,34 @@ class CarnatorPolicy(Policy):
                 continue
             theirs = c.meta.extra.get("nouns", [])
             diff = noun_diff(inputs.nouns, theirs)
-            if diff is None and inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) == 0:
-                # the same content in other words ("ball" for "circle"): the noun filter's synonyms
+            if diff is None and inputs.content is not None and (
+                    content_distance(inputs.content, c.meta.extra.get("content")) == 0 or self.tier_for(inputs, c) is not None):
+                # the same content in other words ("ball" for "circle"), or an edit a tier reuses ("backdrop" for
+                # "wall" beside it): the content reader's synonyms decide, not the nouns' spelling
                 diff = NounDiff(shared=tuple(sorted(set(inputs.nouns) & set(theirs))), substituted=None)
             if diff is not None and ("signature" in c.meta.extra or not need_signature):
                 out.append((c, diff))
-        if inputs.content is not None and not math.isinf(self.tau.content):
+        if self.tiers:
+            # With tiers, only a candidate whose kind of change has one can be reused: those first, the one that keeps
+            # the most of its trajectory (the latest resume step) first among them, recall order otherwise.
+            def rank(cd):
+                t = self.tier_for(inputs, cd[0])
+                return (t is None, 0 if t is None else -t.step / t.of)
+            out.sort(key=rank)
+        elif inputs.content is not None and not math.isinf(self.tau.content):
             # A candidate that asks what the request asks is tested before one that does not (recall order otherwise):
             # the content test reads only the two prompts, so this adds no chance for a signature test to err, and a
             # rewording's nearest sentence is often another scene's.
             out.sort(key=lambda cd: content_distance(inputs.content, cd[0].meta.extra.get("content")) > self.tau.content)
         return out
+
+    def change(self, inputs: DecisionInputs, c: Candidate) -> str:
+        """What changed from cached candidate ``c`` to the request (:func:`change_kind`: re-roll, rewording, colour, ...)."""
+        return change_kind(inputs.request.prompt, c.meta.prompt, inputs.content, c.meta.extra.get("content"))
+
+    def tier_for(self, inputs: DecisionInputs, c: Candidate) -> Tier | None:
+        """The certified tier that reuses candidate ``c`` for this request (None: its kind of change has none)."""
+        return self.tiers.get(self.change(inputs, c)) if self.tiers else None
 
     def prefetch(self, inputs: DecisionInputs):
         cands = self.candidates(inputs)
@@ -297,10 +344,13 @@ class CarnatorPolicy(Policy):
         if not cands or not self.cfg.prefetch or (sim is not None and 1.0 - sim > self.tau.text):
             return None  # its text distance alone already fails the test
         c = cands[0][0]
-        if inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) > self.tau.content:
+        if not self.tiers and inputs.content is not None and content_distance(inputs.content, c.meta.extra.get("content")) > self.tau.content:
             return None  # it asks for something else: it fails the test
         n = inputs.num_steps
-        r = self.resume_at(n)
+        tier = self.tier_for(inputs, c)
+        if self.tiers and tier is None:
+            return None
+        r = self.resume_at(n) if tier is None else self.tier_resume(tier, n)
         names = [f"traj.{i}" for i in range(r - 1, n)] + [EVIDENCE_PREFIX + w for w in c.meta.extra.get("nouns", [])]
         if inputs.sparse is not None:
             names += [k for k in getattr(c.meta, "tensor_names", ()) if k.startswith(MASK_PREFIX)]
@@ -331,6 +381,8 @@ class CarnatorPolicy(Policy):
             if self.cfg.admitted_only and any(c.meta.extra.get("admitted") is False for c in inputs.candidates):
                 why += " among those whose own clip passed the admission judge"
             return Decision.miss(why, details=notes)
+        if self.tiers:
+            return self._decide_tier(inputs, cands[0], notes)
         r = self.resume_at(inputs.num_steps)
         if r >= inputs.num_steps:
             return Decision.miss(f"the resume step {r} is not inside the {inputs.num_steps} steps", details=notes)
@@ -368,6 +420,34 @@ class CarnatorPolicy(Policy):
                    + ("" if inputs.content is None else f" ({content_change(inputs.content, c.meta.extra.get('content'))})")
                    + f": {explain(d, self.tau)}",
             details={**notes, "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
+        )
+
+    def _decide_tier(self, inputs: DecisionInputs, cand, notes: dict) -> Decision:
+        """The decision under risk tiers: the first candidate (ranked by :meth:`candidates`) is reused by its kind of
+        change's tier, or the request misses naming the kind."""
+        c, diff = cand
+        kind = self.change(inputs, c)
+        what = "" if inputs.content is None else content_change(inputs.content, c.meta.extra.get("content"))
+        notes["change"] = kind
+        tier = self.tiers.get(kind)
+        if tier is None:
+            kinds = ", ".join(sorted(self.tiers))
+            return Decision.miss(f"nearest cached request {c.meta.id[:8]} {what or 'differs'}: no certified tier reuses "
+                                 f"a {kind} change on this model (tiers: {kinds})", details=notes, similarity=c.similarity)
+        n = inputs.num_steps
+        r = self.tier_resume(tier, n)
+        if r >= n:
+            return Decision.miss(f"the {kind} tier's resume step {r} is not inside the {n} steps", details=notes)
+        if tier.scope == "region" and inputs.signature is None:
+            return Decision.miss(f"the {kind} tier recomputes the probe's regions, and no probe ran", details=notes)
+        bound = "" if tier.bound is None else f", unsafe <= {100 * tier.bound:.1f} %"
+        how = "whole frame" if tier.scope == "frame" else "region-guided"
+        return Decision(
+            reuse=True, source_id=c.meta.id, similarity=c.similarity, certified=self.certified and tier.certified,
+            resume_step=r, reason=f"{kind} of {c.meta.id[:8]}{f' ({what})' if what else ''}: {how} from step {r} of {n} "
+                                  f"(tier certified on {tier.accepted} pairs{bound})",
+            details={**notes, "tier": {"kind": kind, "step": r, "scope": tier.scope, "bound": tier.bound},
+                     "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
         )
 
     def plan(self, decision: Decision, inputs: DecisionInputs) -> ReusePlan:

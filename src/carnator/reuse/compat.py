@@ -334,8 +334,16 @@ class Thresholds:
     re-rolls; ``inf``: off, as in files written before it existed)."""
     risk: RiskScore | None = None
     """A learned decision rule applied on top of the per-dimension thresholds (None: the paper's box alone)."""
+    tiers: tuple[Any, ...] = ()
+    """Beyond the paper: risk tiers (:class:`carnator.reuse.tiers.Tier`), one certified resume step and scope per kind
+    of change. With tiers a candidate is reused by its kind's tier, and a kind without one is a miss."""
 
     def __post_init__(self) -> None:
+        from .tiers import Tier
+
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        if any(not isinstance(t, Tier) for t in self.tiers):
+            raise ValueError("Thresholds.tiers must hold Tier objects")
         if self.risk is not None and not isinstance(self.risk, RiskScore):
             raise ValueError(f"Thresholds.risk must be a RiskScore or None, got {type(self.risk).__name__}")
         for k in (*DIMENSIONS, "content"):
@@ -350,12 +358,18 @@ class Thresholds:
             out["content"] = float(self.content)
         if self.risk is not None:
             out["risk"] = self.risk.to_dict()
+        if self.tiers:
+            out["tiers"] = {t.kind: t.to_dict() for t in self.tiers}
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
+        from .tiers import Tier
+
         risk = RiskScore.from_dict(d["risk"]) if d.get("risk") is not None else None
-        return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in (*DIMENSIONS, "content")}, risk=risk)
+        tiers = tuple(Tier.from_dict({"kind": k, **t}) for k, t in (d.get("tiers") or {}).items())
+        return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in (*DIMENSIONS, "content")}, risk=risk,
+                   tiers=tiers)
 
     def save(self, path: str | os.PathLike[str], *, model_id: str, meta: Mapping[str, Any] | None = None,
              reading: Mapping[str, Any] | None = None) -> None:
