@@ -1,0 +1,137 @@
+"""Risk tiers: one certified resume step and scope per kind of change (hand-computed certificates; edits reused on the
+embedded model and checked on the frames for the asked colour and shape)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from carnator import Carnator, EngineConfig
+from carnator.judges import register_judge
+from carnator.reuse import CalibrationConfig, Thresholds
+from carnator.reuse.tiers import Tier, certify_tiers
+from carnator.testing import hashed_embedder
+
+# The embedded world's palette (RGB) for the colours these tests ask for; every pixel is read as its nearest one.
+PALETTE = {"red": (220, 30, 35), "blue": (35, 70, 225), "green": (30, 165, 55)}
+N, STEP = 20, 5   # 20 steps; the edit tiers resume at step 5 (of 20): after the 4-step probe
+
+
+class _Pass:
+    name, identity, directions = "tiers-pass", "tiers-pass", {"fidelity": 1, "artifact": -1}
+
+    def score(self, frames, prompt, reference=None):
+        return {"fidelity": 1.0, "artifact": 0.0}
+
+
+register_judge("tiers-pass", lambda arg: _Pass())
+
+
+def _rows(kind, steps_unsafe: dict[int, list[bool]]):
+    """Calibration rows of one kind: for each step, one row per pair, unsafe where the list says so."""
+    return [{"i": i, "change": kind, "resume_step": s, "num_steps": 50, "hit": True, "acceptable": not bad}
+            for s, flags in steps_unsafe.items() for i, bad in enumerate(flags)]
+
+
+def test_certify_tiers_selects_the_latest_safe_step_and_certifies_it_once():
+    # 100 pairs: 30 select, 70 certify (split seed 0). Step 30 is unsafe on every pair, step 15 on none, step 5 on none:
+    # selection picks 15 (the latest step whose unsafe share is within 5 %), and certifies it on the other 70.
+    rows = _rows("colour", {5: [False] * 100, 15: [False] * 100, 30: [True] * 100})
+    t = certify_tiers(rows, CalibrationConfig())["colour"]
+    assert t["step"] == 15 and t["of"] == 50 and t["scope"] == "region"
+    assert t["selection"]["30"] == {"reused": 30, "unsafe": 30} and t["selection"]["15"] == {"reused": 30, "unsafe": 0}
+    assert t["pairs"] == 70 and t["accepted"] == 70 and t["unsafe"] == 0
+    assert t["bound"] == pytest.approx(1 - 0.1 ** (1 / 70))   # Clopper-Pearson upper bound, 0 of 70, 90 %
+    assert t["certified"] is True
+
+
+def test_a_kind_too_few_or_too_unsafe_to_certify_gets_no_certified_tier():
+    few = certify_tiers(_rows("object", {5: [False] * 20}))["object"]
+    # 6 of 20 select, 14 certify with 0 unsafe: 1 - 0.1 ** (1 / 14) = 15.2 % > 5 %
+    assert few["step"] == 5 and few["accepted"] == 14 and few["bound"] == pytest.approx(1 - 0.1 ** (1 / 14))
+    assert few["certified"] is False
+    bad = certify_tiers(_rows("motion", {5: [i % 2 == 0 for i in range(100)]}))["motion"]
+    assert bad["step"] is None and "certified" not in bad   # no step passes selection: nothing to certify
+    same = certify_tiers(_rows("re-roll", {45: [False] * 100}))["re-roll"]
+    assert same["scope"] == "frame" and same["certified"] is True
+
+
+def test_tiers_round_trip_through_a_thresholds_file_and_scale_to_the_schedule(tmp_path):
+    tiers = (Tier("re-roll", 45, 50, scope="frame", pairs=120, accepted=120, bound=0.019, certified=True),
+             Tier("colour", 5, 50, pairs=56, accepted=56, bound=0.04, certified=True))
+    path = tmp_path / "t.json"
+    Thresholds(math.inf, math.inf, math.inf, math.inf, tiers=tiers).save(path, model_id="m")
+    back = Thresholds.load(path, model_id="m")
+    assert back.tiers == tiers
+    assert [tiers[0].resume_at(n) for n in (50, 32, 10)] == [45, 29, 9] and tiers[1].resume_at(20) == 2
+    with pytest.raises(ValueError, match="scope"):
+        Tier("colour", 5, 50, scope="everything")
+    with pytest.raises(ValueError, match="step"):
+        Tier("colour", 50, 50)
+
+
+def _engine(tmp_path, kinds=("colour", "object"), frame=("re-roll",)):
+    eng0 = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c0", device="cpu", embedder=hashed_embedder(64))
+    tiers = tuple(Tier(k, STEP, N, scope="region", pairs=70, accepted=70, bound=0.032, certified=True) for k in kinds)
+    tiers += tuple(Tier(k, 15, N, scope="frame", pairs=120, accepted=120, bound=0.019, certified=True) for k in frame)
+    path = tmp_path / "tiers.json"
+    Thresholds(math.inf, math.inf, math.inf, math.inf, tiers=tiers).save(
+        path, model_id=eng0.model_identity, reading=eng0.policy("carnator").reading(), meta={"certified": True})
+    cfg = EngineConfig(admission_judge="tiers-pass", policy_options={"carnator": {"thresholds": str(path)}})
+    return Carnator(eng0.pipe, tmp_path / "cache", config=cfg, embedder=hashed_embedder(64), adapter=eng0.adapter)
+
+
+def _nearest(frames: np.ndarray) -> np.ndarray:
+    names = list(PALETTE)
+    pal = np.array([PALETTE[n] for n in names], float)
+    idx = ((frames.reshape(-1, 1, 3).astype(float) - pal[None]) ** 2).sum(-1).argmin(1)
+    return np.array(names)[idx].reshape(frames.shape[:-1])
+
+
+def _corner_fill(frames: np.ndarray, colour: str) -> float:
+    """How much of the four corners of the object's bounding box its colour fills, averaged over frames: about 0.2-0.35
+    for a ball, 0.6 and more for a box (hand-measured on this model's clips)."""
+    names = _nearest(frames)
+    out = []
+    for m in names == colour:
+        ys, xs = np.nonzero(m)
+        if len(ys) < 20:
+            continue
+        b = m[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+        c = max(1, round(0.25 * min(b.shape)))
+        out.append(np.mean([b[:c, :c].mean(), b[:c, -c:].mean(), b[-c:, :c].mean(), b[-c:, -c:].mean()]))
+    return float(np.mean(out))
+
+
+def test_colour_and_object_edits_are_reused_by_their_tiers_and_show_what_was_asked(tmp_path):
+    eng = _engine(tmp_path)
+    a = eng.generate("a big red ball on grass", seed=1, num_inference_steps=N)
+    src = _nearest(a.frames)
+    assert not a.stats.hit and (src == "red").sum() > 2000 and (src == "blue").sum() == 0
+    assert _corner_fill(a.frames, "red") < 0.45   # a ball
+
+    blue = eng.generate("a big blue ball on grass", seed=2, num_inference_steps=N, store=False)
+    assert blue.stats.hit and blue.stats.source_id == a.stats.entry_id and blue.stats.resume_step == STEP
+    assert "colour" in blue.stats.reason and "red -> blue" in blue.stats.reason and "region-guided from step 5" in blue.stats.reason
+    got = _nearest(blue.frames)
+    assert (got == "blue").sum() > 2000 and (got == "red").sum() < 100   # the asked colour, none of the cached one
+    assert blue.stats.dit_forwards == 2 * (4 + N - STEP)   # the probe's 4 steps, then steps 5..19 (both guidance branches)
+
+    box = eng.generate("a big red box on grass", seed=2, num_inference_steps=N, store=False)
+    assert box.stats.hit and box.stats.resume_step == STEP and "object" in box.stats.reason
+    assert _corner_fill(box.frames, "red") > 0.5   # a box, not the cached ball
+
+
+def test_kinds_without_a_tier_miss_naming_the_kind_and_same_content_resumes_late_without_a_probe(tmp_path):
+    eng = _engine(tmp_path)
+    a = eng.generate("a big red ball moving left on grass", seed=1, num_inference_steps=N)
+    for prompt, kind in (("a big red ball moving right on grass", "motion"), ("a big red ball moving left in the snow", "place")):
+        r = eng.generate(prompt, seed=3, num_inference_steps=N, store=False)
+        assert not r.stats.hit, prompt
+        assert f"no certified tier reuses a {kind} change" in r.stats.reason
+    again = eng.generate("a big red ball moving left on grass", seed=4, num_inference_steps=N, store=False)
+    assert again.stats.hit and again.stats.source_id == a.stats.entry_id and again.stats.resume_step == 15
+    assert "re-roll" in again.stats.reason and "whole frame" in again.stats.reason
+    assert again.stats.dit_forwards == 2 * (N - 15)   # no probe: the frame tier reads none
