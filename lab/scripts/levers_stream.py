@@ -22,6 +22,7 @@ Variants (``--variants``, comma-separated):
             (since 2026-12-06 17:20 UTC the probe is skipped under a content-only file by default; since 21:00 UTC
             recall reads the same-content entries without a sentence embedding and write-behind is on for CUDA)
   sync      ``default`` with ``write_behind`` off
+  content45 the default before risk tiers (lab/notebook/thresholds-embedded-content45.json: same content only, step 45)
   nirvana   the NIRVANA baseline (its entries are filled into the same warm cache beside carnator's)
 
     python3 lab/scripts/levers_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
@@ -58,7 +59,11 @@ VARIANTS = {
     "shipped": ({}, {"admitted_only": False, "thresholds": None}),
     "default": ({}, {"thresholds": None}),
     "sync": ({"write_behind": False}, {"thresholds": None}),
+    # the default before risk tiers: the same-content file at step 45 (re-rolls and rewordings; every edit a miss)
+    "content45": ({}, {"thresholds": str(HERE.parent / "notebook" / "thresholds-embedded-content45.json")}),
 }
+#: the step the warm fill keeps latents from (its entries serve every variant's earliest resume: an edit tier's 5)
+FILL_RESUME = int(os.environ.get("FILL_RESUME", "5"))
 
 
 def engine(cache, device, *, write_behind=None, **carnator):
@@ -77,8 +82,8 @@ def fill(args):
     from carnator.bench.traces import Trace
 
     trace = Trace.load(trace_path)
-    # entries every variant can reuse: a signature (the probe) and the latents from step 29 on
-    eng = engine(cache, device, write_behind=False, probe="always", resume_step=30)
+    # entries every variant can reuse: a signature (the probe) and the latents from step FILL_RESUME - 1 on
+    eng = engine(cache, device, write_behind=False, probe="always", resume_step=FILL_RESUME)
     for r in trace.warm[k::n]:
         for policy in policies:
             eng.generate(r.prompt, seed=r.seed, policy=policy, cache="off")

@@ -86,6 +86,15 @@ def describe(engine, res) -> Outcome:
     tau = _thresholds(engine, s.policy)
     if s.exact_hit:
         out.reason = f"the same request as {src}: its stored video"
+    elif s.hit and isinstance(notes.get("tier"), dict):
+        # reused by a risk tier: the kind of change, how much was recomputed, and the tier's certificate
+        t = notes["tier"]
+        how = "whole frame" if t.get("scope") == "frame" else "region-guided"
+        share = "" if s.active_fraction is None else f", {100 * s.active_fraction:.0f} % of tokens recomputed"
+        bound = "" if t.get("bound") is None else f"; the {t.get('kind')} tier's unsafe rate <= {100 * t['bound']:.1f} % (certified)"
+        change = s.reason.split(": ", 1)[0] if ": " in s.reason else str(t.get("kind"))
+        out.headline = f"{change}: {how} from step {s.resume_step} of {n}{share}"
+        out.reason = f"{out.headline} (source {src}){bound}"
     elif s.hit:
         out.checks, out.risk = _checks(tau, notes.get("discrepancies"))
         out.headline = f"compatible with {src}; resumed at step {s.resume_step} of {n}"
@@ -105,6 +114,8 @@ def describe(engine, res) -> Outcome:
         out.reason = "the dense policy reuses nothing"
     elif "fallback" in notes:
         out.reason = "generated densely: " + str(notes.get("reason") or f"the {s.policy} policy cannot run on this model")
+    elif "change" in notes:   # a risk tier's miss: the policy names the nearest request and its kind of change
+        out.reason = s.reason
     elif "candidates" in notes:
         k = int(notes["candidates"])
         tested = notes.get("tested") or []
