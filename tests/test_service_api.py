@@ -166,7 +166,8 @@ def test_cancel_mid_step_stores_nothing_and_frees_the_worker(server, http):
                 assert data["status"] == "cancelled" and data["progress"] < 100
     assert seen[-1] == "done"
     assert bank.stats("charlie").count == before  # nothing partial stored
-    error_of(http.get(f"/v1/videos/{job['id']}/content", headers={"Authorization": C}), 409, "conflict")
+    msg = error_of(http.get(f"/v1/videos/{job['id']}/content", headers={"Authorization": C}), 409, "conflict")
+    assert msg == f"job {job['id']} was cancelled: it has no video", msg
     assert http.delete(f"/v1/videos/{job['id']}", headers={"Authorization": C}).json()["status"] == "cancelled"
     # the worker is free: a short job runs right away
     short = post(http, C, {"prompt": "a small red ball moving left on grass", "seed": 9, "num_inference_steps": 6}).json()

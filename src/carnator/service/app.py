@@ -317,8 +317,10 @@ def create_app(service: "Service") -> FastAPI:
     def get_content(video_id: JobId, tenant: Tenant, variant: Literal["video", "mp4", "gif"] = "video"):
         """The finished video: ``video/mp4`` (``variant=gif``: an animated GIF)."""
         job = _get(tenant, video_id)
+        if job.status in (CANCELLED, FAILED):
+            raise ApiError(409, "conflict", f"job {video_id} was {job.status}: it has no video")
         if job.status != COMPLETED:
-            raise ApiError(409, "conflict", f"job {video_id} is {job.status}: its video is ready when it is completed")
+            raise ApiError(409, "conflict", f"job {video_id} is {job.status.replace('_', ' ')}: its video is ready when it is completed")
         v = "gif" if variant == "gif" else "mp4"
         path = service.store.video_path(tenant, video_id, v)
         if path is None:
