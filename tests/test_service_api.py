@@ -95,6 +95,9 @@ def test_a_job_from_submission_to_download_with_its_events(server, http):
     assert r.status_code == 202 and r.headers["Location"] == f"/v1/videos/{r.json()['id']}"
     job = r.json()
     assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["request"]["seed"] == 3
+    # the request as run: the model's defaults filled in (the embedded model: 16 frames of 64x64, guidance 4)
+    assert {k: job["request"][k] for k in ("num_inference_steps", "num_frames", "height", "width", "guidance_scale")} == {
+        "num_inference_steps": STEPS, "num_frames": 16, "height": 64, "width": 64, "guidance_scale": 4.0}, job["request"]
     with Client(server.url, "key-alpha-0001") as c:
         events = list(c.events(job["id"], timeout=120))
     names = [n for n, _ in events]

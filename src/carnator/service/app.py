@@ -113,7 +113,7 @@ class VideoJob(BaseModel):
     error: ErrorDetail | None = None
     stats: JobStats | None = None
     prompt: str
-    request: dict[str, Any] = Field(description="the request as run (the seed filled in when not given)")
+    request: dict[str, Any] = Field(description="the request as run: the seed and the model's defaults filled in where not given")
     attempts: int = Field(description="times a worker started the job (a restart may requeue it once)")
     cancel_requested: bool
 
