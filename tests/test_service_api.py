@@ -89,6 +89,23 @@ def test_auth_and_request_errors_are_one_line_json(server, http):
     assert http.get("/healthz").json() == {"status": "ok"} and http.get("/readyz").json() == {"status": "ready"}
 
 
+def test_retry_after_is_the_time_until_a_queue_slot_frees(server, http):
+    """Before any job has finished the server's estimate of a job's time is 5 s (one worker): a tenant whose share is
+    full (one running, three queued) gets a slot back when the running job ends, so Retry-After is 5, not the four
+    jobs' 20."""
+    long = {"prompt": "a big blue square moving right on sand", "num_inference_steps": 400}
+    ids = [post(http, C, {**long, "seed": 100 + i}).json()["id"] for i in range(4)]
+    deadline = time.monotonic() + 30
+    while http.get(f"/v1/videos/{ids[0]}", headers={"Authorization": C}).json()["status"] == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    r = post(http, C, {**long, "seed": 199})
+    error_of(r, 429, "rate_limited")
+    assert r.headers["Retry-After"] == "5"
+    for i in reversed(ids):  # (a cancelled job's time is no job time: the estimate stays unset)
+        assert http.delete(f"/v1/videos/{i}", headers={"Authorization": C}).json()["status"] == "cancelled"
+
+
 def test_a_job_from_submission_to_download_with_its_events(server, http):
     body = {"prompt": PROMPT, "seed": 3, "num_inference_steps": STEPS}
     r = post(http, A, body, **{"Idempotency-Key": "job-one"})

@@ -279,7 +279,7 @@ def create_app(service: "Service") -> FastAPI:
                 max_queued=cfg.max_queue, max_queued_per_tenant=service.max_queue_per_tenant)
         except QueueFull as e:
             service.metrics.rejections.labels(reason=e.reason).inc()
-            raise ApiError(429, "rate_limited", str(e), {"Retry-After": str(service.pool.retry_after(e.queued))}) from None
+            raise ApiError(429, "rate_limited", str(e), {"Retry-After": str(service.pool.retry_after())}) from None
         except IdempotencyConflict as e:
             service.metrics.rejections.labels(reason="idempotency_conflict").inc()
             raise ApiError(409, "conflict", str(e)) from None

@@ -200,10 +200,12 @@ class WorkerPool:
     def running(self) -> int:
         return len(self._running)
 
-    def retry_after(self, queued: int) -> int:
-        """Seconds until ``queued`` jobs ahead would have run, from the mean job time (at least 1)."""
+    def retry_after(self) -> int:
+        """Seconds until a full queue has room again: a worker finishing its job takes the next queued one, so one
+        mean job time (5 s before any job finished) over the workers; at least 1. Not the whole queue's time: a
+        queued job leaves the queue when it starts, not when it ends."""
         per_job = self.job_seconds_ema or 5.0
-        return max(1, min(3600, math.ceil((queued + 1) * per_job / max(1, len(self.devices)))))
+        return max(1, min(3600, math.ceil(per_job / max(1, len(self.devices)))))
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self, dev: Device) -> None:
