@@ -270,11 +270,12 @@ def run(config: ServeConfig, *, out: Callable[[str], None] | None = None) -> int
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     with job_table_lock(config.store, cache_dir):
         service = Service(config)
-        from .app import create_app
+        from .app import create_app, json_http_protocol
 
         app = create_app(service)
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
-                                        timeout_graceful_shutdown=5, access_log=False), service, say)
+                                        timeout_graceful_shutdown=5, access_log=False, http=json_http_protocol()),
+                         service, say)
         logging.getLogger("uvicorn.error").addFilter(_NoBindError())
         try:
             server.run()

@@ -121,7 +121,8 @@ def summarize(stats, req, dense_seconds: float | None) -> dict[str, Any]:
     elif dense_seconds is None and stats.dit_forwards:  # before any miss: this job's own seconds per forward
         dit = stats.timings.get("dit", 0.0)
         dense_seconds = seconds - dit + dit / stats.dit_forwards * stats.dense_forwards
-    speedup = round(dense_seconds / seconds, 2) if dense_seconds and seconds > 0 else None
+    # an exact hit is served from the cache: over its near-zero time any dense estimate is a ratio of noise, so none
+    speedup = round(dense_seconds / seconds, 2) if dense_seconds and seconds > 0 and tier != "exact" else None
     return {
         "tier": tier, "hit": bool(stats.hit), "exact_hit": bool(stats.exact_hit), "resume_step": stats.resume_step,
         "steps": n, "steps_computed": int(computed), "speedup": speedup, "seconds": round(seconds, 4),
