@@ -320,3 +320,25 @@ def test_python_client_and_generate_server(server, tmp_path, capsys, monkeypatch
     assert main(["generate", "x", "--server", server.url, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"carnator: error: the server at {server.url} needs an API key: pass --api-key KEY or set CARNATOR_API_KEY", err
+
+
+def test_a_miss_says_what_differs_and_cache_off_says_so(server, http):
+    """Bravo's misses: another colour names the cached request it differs from and how; the same prompt with other
+    steps names the job that asked it with which steps; an exact repeat sent with cache off says the cache was off."""
+    first = {"prompt": "a big green box moving up on sand", "seed": 1, "num_inference_steps": 8}
+    done = wait(server, "key-bravo-0001", post(http, B, first).json()["id"])
+    assert done["stats"]["tier"] == "miss" and done["stats"]["stored"], done["stats"]
+    entry = done["stats"]["entry_id"]
+    colour = wait(server, "key-bravo-0001", post(http, B, {**first, "prompt": "a big red box moving up on sand"}).json()["id"])
+    assert colour["stats"]["tier"] == "miss", colour["stats"]
+    assert colour["stats"]["reason"].startswith(
+        f"nothing cached asks the same; the nearest cached request, entry {entry[:8]} ('a big green box moving up on "
+        "sand', seed 1), differs in color green -> red"), colour["stats"]["reason"]
+    steps = wait(server, "key-bravo-0001", post(http, B, {**first, "seed": 2, "num_inference_steps": 6}).json()["id"])
+    assert steps["stats"]["tier"] == "miss", steps["stats"]
+    assert steps["stats"]["reason"].endswith(
+        f"; your job {done['id']} asked the same prompt with 8 steps (this one: 6 steps), and a cached request is reused "
+        "only with the same steps, frames, size and guidance"), steps["stats"]["reason"]
+    off = wait(server, "key-bravo-0001", post(http, B, {**first, "cache": "off"}).json()["id"])
+    assert off["stats"]["tier"] == "miss", off["stats"]
+    assert off["stats"]["reason"] == "the cache was off for this request (cache: off): nothing was read from it or stored"

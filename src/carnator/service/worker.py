@@ -108,6 +108,47 @@ class DenseEstimate:
             return self._ema.get(key)
 
 
+#: the settings a cached request must share to be reused (``Request.settings``), in words
+_SETTINGS = (("num_inference_steps", "steps"), ("num_frames", "frames"), ("height", "height"), ("width", "width"),
+             ("guidance_scale", "guidance"))
+
+
+def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> str | None:
+    """What a miss's reason says beyond the policy's (None: the policy's stands). ``cache: off``: that. A miss that
+    found nothing asking the same: what :func:`carnator.explain.describe` says (the nearest cached request of the
+    tenant and what it asks differently, as ``carnator generate`` and the demo say), else, when one of the tenant's
+    ``recent`` jobs asked the same prompt with other settings, that job and the settings (a cached request is reused
+    only with the same ones)."""
+    from ..explain import describe
+
+    s = res.stats
+    if params.get("cache") == "off":
+        return "the cache was off for this request (cache: off): nothing was read from it or stored"
+    notes = s.notes or {}
+    if s.hit or notes.get("recall") != "content" or notes.get("recalled") != 0:
+        return None
+    try:
+        out = describe(engine, res)
+    except Exception:  # noqa: BLE001 - an explanation must never fail the job it explains
+        log.exception("describing a miss failed")
+        return None
+    if out.tested_id is not None:
+        return out.reason
+    req, mine = res.request, " ".join(res.request.prompt.lower().split())
+    for job in recent:
+        if (job.status != COMPLETED or not (job.stats or {}).get("stored")
+                or " ".join(str(job.params.get("prompt", "")).lower().split()) != mine):
+            continue
+        diff = [f"{job.params[k]} {word}" for k, word in _SETTINGS
+                if job.params.get(k) is not None and job.params[k] != getattr(req, k)]
+        if diff:
+            now = ", ".join(f"{getattr(req, k)} {word}" for k, word in _SETTINGS
+                            if job.params.get(k) is not None and job.params[k] != getattr(req, k))
+            return (f"{s.reason}; your job {job.id} asked the same prompt with {', '.join(diff)} (this one: {now}), and "
+                    "a cached request is reused only with the same steps, frames, size and guidance")
+    return None
+
+
 def summarize(stats, req, dense_seconds: float | None) -> dict[str, Any]:
     """The job's ``stats``: the engine's decision and timings, with steps computed, speedup and seconds saved. Only
     this job's own data (its cache entries are the tenant's own)."""
@@ -296,6 +337,12 @@ class WorkerPool:
                 log.exception("job %s: storing its cache entry failed", job.id)
         key = DenseEstimate.key(job.tenant, p, res.request)
         summary = summarize(st, res.request, self.estimate.get(key))
+        if summary["tier"] == "miss":
+            try:
+                recent = self.store.list(job.tenant, limit=50)[0]
+            except JobStoreError:
+                recent = []
+            summary["reason"] = miss_reason(eng, res, p, recent) or summary["reason"]
         if summary["tier"] == "miss":
             self.estimate.add(key, summary["seconds"])
         self._finish(job, COMPLETED, stats=summary, videos=videos, wall=wall, dev=dev)
