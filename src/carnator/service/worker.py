@@ -139,13 +139,12 @@ def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> s
         if (job.status != COMPLETED or not (job.stats or {}).get("stored")
                 or " ".join(str(job.params.get("prompt", "")).lower().split()) != mine):
             continue
-        diff = [f"{job.params[k]} {word}" for k, word in _SETTINGS
-                if job.params.get(k) is not None and job.params[k] != getattr(req, k)]
-        if diff:
-            now = ", ".join(f"{getattr(req, k)} {word}" for k, word in _SETTINGS
-                            if job.params.get(k) is not None and job.params[k] != getattr(req, k))
-            return (f"{s.reason}; your job {job.id} asked the same prompt with {', '.join(diff)} (this one: {now}), and "
-                    "a cached request is reused only with the same steps, frames, size and guidance")
+        changed = [(k, word) for k, word in _SETTINGS if job.params.get(k) is not None and job.params[k] != getattr(req, k)]
+        if changed:
+            theirs = ", ".join(f"{job.params[k]} {word}" for k, word in changed)
+            now = ", ".join(f"{getattr(req, k)} {word}" for k, word in changed)
+            return (f"{s.reason}; your job {job.id} asked the same prompt with {theirs} (this one: {now}), and a cached "
+                    "request is reused only with the same steps, frames, size and guidance")
     return None
 
 
