@@ -115,10 +115,10 @@ _SETTINGS = (("num_inference_steps", "steps"), ("num_frames", "frames"), ("heigh
 
 def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> str | None:
     """What a miss's reason says beyond the policy's (None: the policy's stands). ``cache: off``: that. A miss that
-    found nothing asking the same: what :func:`carnator.explain.describe` says (the nearest cached request of the
-    tenant and what it asks differently, as ``carnator generate`` and the demo say), else, when one of the tenant's
-    ``recent`` jobs asked the same prompt with other settings, that job and the settings (a cached request is reused
-    only with the same ones)."""
+    found nothing asking the same: when one of the tenant's ``recent`` jobs asked the same prompt with other settings,
+    that job and the settings (a cached request is reused only with the same ones); else what
+    :func:`carnator.explain.describe` says (the nearest cached request of the tenant and what it asks differently, as
+    ``carnator generate`` and the demo say)."""
     from ..explain import describe
 
     s = res.stats
@@ -127,13 +127,6 @@ def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> s
     notes = s.notes or {}
     if s.hit or notes.get("recall") != "content" or notes.get("recalled") != 0:
         return None
-    try:
-        out = describe(engine, res)
-    except Exception:  # noqa: BLE001 - an explanation must never fail the job it explains
-        log.exception("describing a miss failed")
-        return None
-    if out.tested_id is not None:
-        return out.reason
     req, mine = res.request, " ".join(res.request.prompt.lower().split())
     for job in recent:
         if (job.status != COMPLETED or not (job.stats or {}).get("stored")
@@ -145,7 +138,12 @@ def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> s
             now = ", ".join(f"{getattr(req, k)} {word}" for k, word in changed)
             return (f"{s.reason}; your job {job.id} asked the same prompt with {theirs} (this one: {now}), and a cached "
                     "request is reused only with the same steps, frames, size and guidance")
-    return None
+    try:
+        out = describe(engine, res)
+    except Exception:  # noqa: BLE001 - an explanation must never fail the job it explains
+        log.exception("describing a miss failed")
+        return None
+    return out.reason if out.tested_id is not None else None
 
 
 def summarize(stats, req, dense_seconds: float | None) -> dict[str, Any]:
