@@ -33,6 +33,7 @@ def test_demo_stream(demo):
     out = tmp / "out"
     assert len(rows) == len(STREAM)
     assert lines[0] == f"cache: {eng.store.root} (empty: a fresh start)"
+    assert lines[2] == "warming up (not timed): the model's kernels and the recall embedder ..."  # said before the wait
     # request 9 repeats request 0 exactly (prompt and seed): served from the exact tier, from request 0's entry
     assert STREAM[9] == STREAM[0]
     r0, r6 = rows[0], rows[9]
@@ -40,12 +41,18 @@ def test_demo_stream(demo):
     assert r6["reason"] == f"the same request as entry {r0['entry'][:8]} ({STREAM[0][0]!r}, seed 1): its stored video"
     assert r6["source_gif"] == r0["gif"] and (read_video(out / r6["gif"]) == read_video(out / r0["gif"])).all()
     assert r6["steps_computed"] == 0 and r6["dit_forwards"] == 0 and r6["steps_saved"] == STEPS
+    # an exact hit is what it is: the same request (not a re-roll), served from the cache, its time and no speedup
+    assert r6["change"] == "exact repeat" and r6["speedup"] is None
+    line = next(x for x in lines if x.startswith(" 9 "))
+    assert line.startswith(f" 9 exact hit {r6['seconds']:.3f}s, served from the cache,   0 of {STEPS} steps ")
+    assert line.split("\n")[0].endswith("[exact repeat]")
     for r in rows:
         # every request has its own dense run: the embedded model guides (scale 4), two DiT forwards a step
         assert r["dense_dit_forwards"] == 2 * STEPS and (out / r["dense_gif"]).exists() and (out / r["gif"]).exists()
-        assert r["speedup"] == round(r["dense_seconds"] / r["seconds"], 2)
+        assert r["speedup"] is None  # a miss does dense's work (its ratio would be the load's), an exact hit none
         if r["i"] != 9:
             assert r["decision"] == "miss" and r["steps_computed"] == STEPS and r["dit_forwards"] == 2 * STEPS
+            assert f"s, dense {r['dense_seconds']:6.2f}s (a miss: dense's work), " in lines[3 + r["i"]]
             assert r["reason"] == f"generated densely: {STEPS} steps <= the 4-step probe"
     # the warm-up (seed 0) and the dense runs were not stored: only the stream's own entries are anyone's source
     assert all(e.seed != 0 for e in eng.store.entries()) and len(eng.store.entries()) == len(STREAM) - 1
@@ -75,11 +82,12 @@ def test_cli_demo_uses_its_own_fresh_cache(tmp_path, monkeypatch, capsys):
     for _ in range(2):  # a second run starts from an empty cache again
         assert main(argv) == 0
         printed = capsys.readouterr().out
-        assert printed.splitlines()[0] == f"cache: {out / 'cache'} (empty: a fresh start)"
+        # it says what it does while it loads, before the first request's line
+        assert printed.splitlines()[:2] == ["loading the model (embedded) ...", f"cache: {out / 'cache'} (empty: a fresh start)"]
         assert printed.rstrip().endswith(f"1 of 12 requests reused cached work; the page: {out / 'index.html'}")
     assert main([*argv, "--keep-cache"]) == 0
     printed = capsys.readouterr().out
-    assert "holds 11 entries from an earlier run: replaying" in printed.splitlines()[0]
+    assert "holds 11 entries from an earlier run: replaying" in printed.splitlines()[1]
     doc = json.loads((out / "demo.json").read_text())
     assert doc["totals"]["exact_hits"] == 12 and doc["cache"]["entries_at_start"] == 11
 

@@ -10,7 +10,11 @@ mid-step (nothing stored, the worker freed), the queue's per-tenant limit (429 +
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,6 +80,26 @@ def test_auth_and_request_errors_are_one_line_json(server, http):
     error_of(http.post("/v1/videos", content=b"{nope", headers={"Authorization": A, "Content-Type": "application/json"}),
              400, "bad_request")
     assert "prompt" in error_of(post(http, A, {"seed": 1}), 422, "invalid_request")
+    # valid JSON sent as something else (curl -d sends a form): named, with the header to send
+    body = json.dumps({"prompt": PROMPT}).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Authorization": A, **({"Content-Type": ctype} if ctype else {})}
+        msg = error_of(http.post("/v1/videos", content=body, headers=headers), 415, "unsupported_media_type")
+        assert msg == f"send the body as JSON with the header Content-Type: application/json (this request's: {ctype or 'none'})"
+    nan = b'{"prompt": "a red ball", "guidance_scale": NaN}'
+    assert error_of(http.post("/v1/videos", content=nan, headers={"Authorization": A, "Content-Type": "application/json"}),
+                    422, "invalid_request") == "guidance_scale: Input should be a finite number"
+    # a Content-Length that is no number never reaches the app: the server's HTTP layer answers, in JSON too
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: ten\r\n\r\n{}")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), raw
+    assert json.loads(payload)["error"]["type"] == "bad_request", raw
     error_of(post(http, A, {"prompt": PROMPT, "colour": "red"}), 422, "invalid_request")
     error_of(post(http, A, {"prompt": PROMPT, "seed": True}), 422, "invalid_request")
     error_of(post(http, A, {"prompt": PROMPT, "policy": "magic"}), 422, "invalid_request")
@@ -89,12 +113,32 @@ def test_auth_and_request_errors_are_one_line_json(server, http):
     assert http.get("/healthz").json() == {"status": "ok"} and http.get("/readyz").json() == {"status": "ready"}
 
 
+def test_retry_after_is_the_time_until_a_queue_slot_frees(server, http):
+    """Before any job has finished the server's estimate of a job's time is 5 s (one worker): a tenant whose share is
+    full (one running, three queued) gets a slot back when the running job ends, so Retry-After is 5, not the four
+    jobs' 20."""
+    long = {"prompt": "a big blue square moving right on sand", "num_inference_steps": 400}
+    ids = [post(http, C, {**long, "seed": 100 + i}).json()["id"] for i in range(4)]
+    deadline = time.monotonic() + 30
+    while http.get(f"/v1/videos/{ids[0]}", headers={"Authorization": C}).json()["status"] == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    r = post(http, C, {**long, "seed": 199})
+    error_of(r, 429, "rate_limited")
+    assert r.headers["Retry-After"] == "5"
+    for i in reversed(ids):  # (a cancelled job's time is no job time: the estimate stays unset)
+        assert http.delete(f"/v1/videos/{i}", headers={"Authorization": C}).json()["status"] == "cancelled"
+
+
 def test_a_job_from_submission_to_download_with_its_events(server, http):
     body = {"prompt": PROMPT, "seed": 3, "num_inference_steps": STEPS}
     r = post(http, A, body, **{"Idempotency-Key": "job-one"})
     assert r.status_code == 202 and r.headers["Location"] == f"/v1/videos/{r.json()['id']}"
     job = r.json()
     assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["request"]["seed"] == 3
+    # the request as run: the model's defaults filled in (the embedded model: 16 frames of 64x64, guidance 4)
+    assert {k: job["request"][k] for k in ("num_inference_steps", "num_frames", "height", "width", "guidance_scale")} == {
+        "num_inference_steps": STEPS, "num_frames": 16, "height": 64, "width": 64, "guidance_scale": 4.0}, job["request"]
     with Client(server.url, "key-alpha-0001") as c:
         events = list(c.events(job["id"], timeout=120))
     names = [n for n, _ in events]
@@ -145,6 +189,7 @@ def test_another_tenants_prompt_is_a_miss_and_its_jobs_are_404(server, http):
     exact = wait(server, "key-alpha-0001", post(http, A, alpha).json()["id"])["stats"]
     reroll = wait(server, "key-alpha-0001", post(http, A, {**alpha, "seed": 6}).json()["id"])["stats"]
     assert exact["tier"] == "exact" and exact["steps_computed"] == 0
+    assert exact["speedup"] is None  # served from the cache: no ratio over its near-zero time
     assert reroll["tier"] == "reuse" and reroll["resume_step"] == 29 and reroll["steps_computed"] < STEPS, reroll
     assert reroll["speedup"] > 1 and reroll["seconds_saved"] > 0
 
@@ -166,7 +211,8 @@ def test_cancel_mid_step_stores_nothing_and_frees_the_worker(server, http):
                 assert data["status"] == "cancelled" and data["progress"] < 100
     assert seen[-1] == "done"
     assert bank.stats("charlie").count == before  # nothing partial stored
-    error_of(http.get(f"/v1/videos/{job['id']}/content", headers={"Authorization": C}), 409, "conflict")
+    msg = error_of(http.get(f"/v1/videos/{job['id']}/content", headers={"Authorization": C}), 409, "conflict")
+    assert msg == f"job {job['id']} was cancelled: it has no video", msg
     assert http.delete(f"/v1/videos/{job['id']}", headers={"Authorization": C}).json()["status"] == "cancelled"
     # the worker is free: a short job runs right away
     short = post(http, C, {"prompt": "a small red ball moving left on grass", "seed": 9, "num_inference_steps": 6}).json()
@@ -236,7 +282,22 @@ def test_metrics_count_jobs_and_reveal_no_tenant_data(server, http):
     assert not any(w in v for v in labels for w in ("ball", "square", "triangle", "video_"))
 
 
-def test_python_client_and_generate_server(server, tmp_path, capsys):
+def test_generate_server_that_cannot_be_reached_is_one_line_after_a_short_wait(tmp_path):
+    """The real CLI in its own process against a loopback port nothing listens on: one line naming the URL and the
+    wait, status 2, well within the test's 120 s (it kept retrying for an hour)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # free once closed; nothing listens on it
+    p = subprocess.run([sys.executable, "-m", "carnator.cli", "generate", "x", "--server", url, "--out",
+                        str(tmp_path / "x.mp4")], capture_output=True, text=True, timeout=120, check=False,
+                       env={k: v for k, v in os.environ.items() if k != "CARNATOR_API_KEY"})
+    assert p.returncode == 2 and p.stdout == "", p
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"carnator: error: cannot reach {url}: "), p.stderr
+    assert lines[0].endswith(" (tried for 10 s)"), p.stderr
+
+
+def test_python_client_and_generate_server(server, tmp_path, capsys, monkeypatch):
     with Client(server.url, "key-bravo-0001") as c:
         job = c.generate("a small red ball moving left on grass", seed=11, num_inference_steps=6, out=tmp_path / "c.mp4")
         assert job["status"] == "completed" and read_video(tmp_path / "c.mp4").shape == (16, 64, 64, 3)
@@ -255,3 +316,29 @@ def test_python_client_and_generate_server(server, tmp_path, capsys):
     assert err == "carnator: error: server: unknown API key (HTTP 401, unauthorized)", err
     assert main(["generate", "x", "--server", server.url, "--tenant", "alpha", "--out", str(out)]) == 2
     assert capsys.readouterr().err.strip().startswith("carnator: error: --tenant: with --server")
+    monkeypatch.delenv("CARNATOR_API_KEY", raising=False)  # no key at all: the CLI's own ways to give one
+    assert main(["generate", "x", "--server", server.url, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"carnator: error: the server at {server.url} needs an API key: pass --api-key KEY or set CARNATOR_API_KEY", err
+
+
+def test_a_miss_says_what_differs_and_cache_off_says_so(server, http):
+    """Bravo's misses: another colour names the cached request it differs from and how; the same prompt with other
+    steps names the job that asked it with which steps; an exact repeat sent with cache off says the cache was off."""
+    first = {"prompt": "a big green box moving up on sand", "seed": 1, "num_inference_steps": 8}
+    done = wait(server, "key-bravo-0001", post(http, B, first).json()["id"])
+    assert done["stats"]["tier"] == "miss" and done["stats"]["stored"], done["stats"]
+    entry = done["stats"]["entry_id"]
+    colour = wait(server, "key-bravo-0001", post(http, B, {**first, "prompt": "a big red box moving up on sand"}).json()["id"])
+    assert colour["stats"]["tier"] == "miss", colour["stats"]
+    assert colour["stats"]["reason"].startswith(
+        f"nothing cached asks the same; the nearest cached request, entry {entry[:8]} ('a big green box moving up on "
+        "sand', seed 1), differs in color green -> red"), colour["stats"]["reason"]
+    steps = wait(server, "key-bravo-0001", post(http, B, {**first, "seed": 2, "num_inference_steps": 6}).json()["id"])
+    assert steps["stats"]["tier"] == "miss", steps["stats"]
+    assert steps["stats"]["reason"].endswith(
+        f"; your job {done['id']} asked the same prompt with 8 steps (this one: 6 steps), and a cached request is reused "
+        "only with the same steps, frames, size and guidance"), steps["stats"]["reason"]
+    off = wait(server, "key-bravo-0001", post(http, B, {**first, "cache": "off"}).json()["id"])
+    assert off["stats"]["tier"] == "miss", off["stats"]
+    assert off["stats"]["reason"] == "the cache was off for this request (cache: off): nothing was read from it or stored"

@@ -43,12 +43,24 @@ def test_submit_watch_and_gallery_in_chromium(browser, tmp_path):
     with ServerProcess(tmp_path / "cache", ["--keys", str(keys)]) as srv:
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.goto(srv.url + "/")
+        # first load, no key yet: the page asks for one, in its own words, not as an error in red
+        assert page.locator("#key-hint").inner_text() == "this server needs an API key: enter yours to see your videos"
+        page.wait_for_timeout(500)
+        assert page.locator("#error").inner_text() == ""
         page.fill("#key", "page-key-alpha")
         page.click("#save-key")
+        # nothing made yet: the gallery says so
+        page.wait_for_function("document.getElementById('job-count').textContent === '0 job(s)'", timeout=15_000)
+        assert page.locator("#gallery-empty").inner_text() == "No videos yet: the ones you generate appear here."
 
         submit(page, "a small red ball moving left on grass", 3, 32)
-        # live progress: the bar moves while the job runs, then the stream says done
+        # live progress: the bar moves while the job runs, and the job's tile in the gallery says the same step
         page.wait_for_function("document.getElementById('live-progress').value > 0", timeout=60_000)
+        page.wait_for_function("(() => { const pct = document.getElementById('live-pct').textContent; "
+                               "const tile = document.querySelector('#gallery .card .placeholder'); "
+                               "return pct.startsWith('step ') && tile && tile.textContent === 'in progress, ' + pct; })()",
+                               timeout=60_000)
+        assert not page.locator("#gallery-empty").is_visible()
         page.wait_for_function("document.getElementById('live-status').textContent === 'completed'", timeout=60_000)
         assert page.locator("#live-log li").filter(has_text="miss: nothing cached asks the same").count() == 1
         # the finished video in the gallery, decoded by the browser
@@ -67,6 +79,11 @@ def test_submit_watch_and_gallery_in_chromium(browser, tmp_path):
         assert page.locator("#hit-rate").inner_text().startswith("50 % (1 of 2)")
         assert page.locator("#time-saved").inner_text().endswith(" s")
         assert len(page.locator("#plot .hitrate").get_attribute("points").split()) == 2
+        submit(page, "a small red ball moving left on grass", 3, 32)  # an exact repeat: served from the cache
+        page.wait_for_function("document.querySelectorAll('#gallery video').length === 3", timeout=60_000)
+        newest = page.locator("#gallery .card").first
+        assert newest.locator(".tier").inner_text() == "exact hit"
+        assert newest.locator(".speedup").inner_text() == "from the cache"  # no speedup over a near-zero time
         page.screenshot(path=str(tmp_path / "service-page.png"), full_page=True)
         print(tmp_path / "service-page.png")
 
@@ -75,5 +92,5 @@ def test_submit_watch_and_gallery_in_chromium(browser, tmp_path):
         other.fill("#key", "page-key-bravo")
         other.click("#save-key")
         other.wait_for_function("document.getElementById('job-count').textContent === '0 job(s)'", timeout=15_000)
-        assert other.locator("#gallery .card").count() == 0
+        assert other.locator("#gallery .card").count() == 0 and other.locator("#gallery-empty").is_visible()
         assert srv.stop() == 0

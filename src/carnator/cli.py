@@ -349,6 +349,7 @@ def cmd_demo(args) -> int:
     fresh = args.cache_dir is None and not args.keep_cache
     if args.cache_dir is None:  # the demo's own cache, so that a second run tells the same story
         args.cache_dir = str(out / "cache")
+    print(f"loading the model ({args.model}) ...", flush=True)
     eng = _engine(args)
     if fresh:
         eng.store.clear()

@@ -23,6 +23,8 @@ from typing import Any
 from .errors import CarnatorError
 
 TERMINAL = ("completed", "failed", "cancelled")
+#: how long :meth:`Client.generate` keeps trying a server that does not answer before it gives up
+CONNECT_WAIT_S = 10.0
 
 
 class ServerError(CarnatorError):
@@ -36,15 +38,17 @@ class ServerError(CarnatorError):
 class Client:
     """One server, one API key (its tenant). Thread-safe (one ``httpx.Client``)."""
 
-    def __init__(self, url: str, key: str | None = None, *, timeout: float = 30.0):
+    def __init__(self, url: str, key: str | None = None, *, timeout: float = 30.0, connect_wait: float = CONNECT_WAIT_S):
         try:
             import httpx
         except ImportError:  # pragma: no cover - the serve extra
             raise CarnatorError("carnator.client needs httpx: pip install 'carnator[serve]'") from None
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=headers,
+                                  timeout=httpx.Timeout(timeout, connect=min(timeout, connect_wait)))
         self._httpx = httpx
+        self.connect_wait = connect_wait
 
     def close(self) -> None:
         self._http.close()
@@ -148,9 +152,12 @@ class Client:
     def generate(self, prompt: str, *, out: str | Path | None = None, timeout: float = 3600.0,
                  on_event: Callable[[str, dict], None] | None = None, **params: Any) -> dict[str, Any]:
         """Submit, wait and (with ``out``) download; the finished job. Waits out 429 and 503 (Retry-After) and
-        resubmits with the same Idempotency-Key. A job that failed or was cancelled raises :class:`ServerError`."""
+        resubmits with the same Idempotency-Key; a server that cannot be reached is tried for ``connect_wait`` seconds
+        (10), then raises :class:`~carnator.errors.CarnatorError`. A job that failed or was cancelled raises
+        :class:`ServerError`."""
         key = uuid.uuid4().hex
         deadline = time.monotonic() + timeout
+        unreachable_since = None
         while True:
             try:
                 job = self.submit(prompt, idempotency_key=key, **params)
@@ -159,9 +166,11 @@ class Client:
                 if e.status not in (429, 503) or time.monotonic() > deadline:
                     raise
                 time.sleep(min(e.retry_after or 1.0, max(0.0, deadline - time.monotonic()), 30.0))
-            except CarnatorError:  # the connection dropped: the same key never queues it twice
-                if time.monotonic() > deadline:
-                    raise
+            except CarnatorError as e:  # no answer: the same key never queues it twice, but a server that stays
+                now = time.monotonic()  # unreachable is said after a short wait, not after the whole timeout
+                unreachable_since = now if unreachable_since is None else unreachable_since
+                if now > deadline or now - unreachable_since >= self.connect_wait:
+                    raise CarnatorError(f"{e} (tried for {self.connect_wait:g} s)") from None
                 time.sleep(1.0)
         job = self.wait(job["id"], timeout=max(1.0, deadline - time.monotonic()), on_event=on_event)
         if job["status"] != "completed":
@@ -211,6 +220,11 @@ def generate_command(args, out: Path) -> int:
     with Client(args.server, args.api_key) as c:
         try:
             job = c.generate(args.prompt, on_event=on_event, **params)
+        except ServerError as e:
+            if e.status == 401 and not args.api_key:  # (the server's words name its header, not this command's options)
+                raise CarnatorError(f"the server at {args.server} needs an API key: pass --api-key KEY or set "
+                                    "CARNATOR_API_KEY") from None
+            raise
         finally:
             if bar is not None:
                 bar.close()

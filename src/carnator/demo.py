@@ -2,9 +2,10 @@
 tells what happened to each.
 
 Every request runs through the policy and, right after it, densely (the same prompt and seed; nothing reused,
-nothing stored): each request's speedup is its own dense run's time over its time, measured one after the
-other under the same load, and its steps are counted beside the seconds (denoising steps whose DiT forwards ran;
-a dense run computes them all), which do not depend on the load. The page (``index.html``, static, no script)
+nothing stored): a hit's speedup is its own dense run's time over its time, measured one after the other under the
+same load; an exact hit is served from the cache (its time, no ratio over a near-zero time) and a miss does dense's
+work (no ratio: it would only show the load). Steps are counted beside the seconds (denoising steps whose DiT forwards
+ran; a dense run computes them all), which do not depend on the load. The page (``index.html``, static, no script)
 shows the totals, the cumulative time against dense, and per request the decision and its reason (the source
 entry, each discrepancy against its threshold), the time and steps saved, and the clip beside its dense clip and
 its source's clip. ``demo.json`` holds the same numbers.
@@ -40,13 +41,19 @@ STREAM: list[tuple[str, int]] = [
 
 COMPARISON = (
     "Each request runs through the policy and then, right after it, densely: the same prompt and seed, nothing reused "
-    "and nothing stored. Its speedup is that dense run's time over its own, both measured under the same load; its "
-    "steps are the denoising steps whose DiT forwards ran (a hit computes its probe and the steps after its resume "
+    "and nothing stored. A hit's speedup is that dense run's time over its own, both measured under the same load. An "
+    "exact hit is served from the cache: its time is reading the stored video, and no speedup is given over it. A miss "
+    "does dense's work, so it has no speedup either: its time against dense's shows only the load on the machine. "
+    "Steps are the denoising steps whose DiT forwards ran (a hit computes its probe and the steps after its resume "
     "step; an exact hit none), which the load does not change."
 )
 
 
-def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = None, progress=print,
+def _say(line: str) -> None:
+    print(line, flush=True)  # (a pipe would otherwise hold the lines back until the end)
+
+
+def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = None, progress=_say,
              stream: list[tuple[str, int]] | None = None) -> list[dict]:
     """Run ``stream`` (default :data:`STREAM`) on ``engine`` through ``policy``; write the clips, ``demo.json`` and
     ``index.html`` to ``out``. Returns the per-request rows (``demo.json``'s ``requests``)."""
@@ -65,7 +72,9 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
     else:
         progress(f"cache: {bank.root} (empty: a fresh start)")
     progress("each request is followed by a dense run of the same request (same prompt and seed, nothing reused or stored); "
-             "speedups compare the two under the same load")
+             "a hit's speedup compares the two under the same load; an exact hit is served from the cache and a miss "
+             "does dense's work, so neither has one")
+    progress("warming up (not timed): the model's kernels and the recall embedder ...")
     # One-time costs (model kernels, the recall embedder) are paid before anything is timed; seed 0 is outside the stream.
     first = stream[0][0]
     engine.generate(first, seed=0, policy="dense", num_inference_steps=2, store=False, cache="off")
@@ -98,14 +107,15 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
         if why.source_prompt is not None:  # what this request asks differently from the entry it was compared with
             from .signature.content import change_kind
 
-            change = change_kind(prompt, why.source_prompt, engine.content(prompt), engine.content(why.source_prompt))
+            change = ("exact repeat" if s.exact_hit else  # (the kind of change reads prompts only: a repeat is no re-roll)
+                      change_kind(prompt, why.source_prompt, engine.content(prompt), engine.content(why.source_prompt)))
         row = {
             "i": i, "prompt": prompt, "seed": seed, "change": change, "decision": why.decision, "reason": why.reason, "headline": why.to_dict()["headline"],
             "hit": s.hit, "exact": s.exact_hit, "source": s.source_id, "tested": why.tested_id, "source_request": src_row,
             "source_prompt": why.source_prompt, "source_seed": why.source_seed, "source_gif": src_gif,
             "resume_step": s.resume_step, "mask_density": s.mask_density, "active_fraction": s.active_fraction,
             "checks": why.to_dict()["checks"], "risk": why.to_dict()["risk"],
-            "seconds": t, "dense_seconds": td, "speedup": round(td / t, 2) if t > 0 else None,
+            "seconds": t, "dense_seconds": td, "speedup": round(td / t, 2) if s.hit and not s.exact_hit and t > 0 else None,
             "steps": why.steps, "steps_computed": why.steps_computed, "steps_saved": why.steps_saved,
             "dit_forwards": s.dit_forwards, "dense_dit_forwards": ref.stats.dit_forwards,
             "mean_abs_diff_from_dense": round(diff, 2), "entry": s.entry_id, "gif": gif, "dense_gif": dense_gif,
@@ -113,7 +123,10 @@ def run_demo(engine, out: Path, policy: str = "carnator", steps: int | None = No
         rows.append(row)
         if s.entry_id:
             made_by[s.entry_id] = i
-        progress(f"{i:2d} {why.decision:9s} {t:6.2f}s, dense {td:6.2f}s (x{row['speedup']}), {why.steps_computed:3d} of "
+        timing = (f"{t:.3f}s, served from the cache" if s.exact_hit else
+                  f"{t:6.2f}s, dense {td:6.2f}s (x{row['speedup']})" if row["speedup"] is not None else
+                  f"{t:6.2f}s, dense {td:6.2f}s (a miss: dense's work)")
+        progress(f"{i:2d} {why.decision:9s} {timing}, {why.steps_computed:3d} of "
                  f"{why.steps} steps  {prompt!r} seed={seed}" + (f"  [{change}]" if change else "") + f"\n   {why.reason}")
     totals = _totals(rows)
     progress(f"total: {totals['hits']} of {totals['requests']} requests reused cached work ({totals['exact_hits']} exact); "
@@ -218,9 +231,15 @@ def _row_html(r: dict) -> str:
         f"<td class=request>{esc(r['prompt'])}<br><small>seed {r['seed']}</small></td>"
         f"<td class=reason><span class='decision {kind}'>{esc(r['decision'])}</span>: {esc(r['headline'])}{checks}</td>"
         f"<td class='num seconds'>{r['seconds']:.2f}</td><td class='num dense-seconds'>{r['dense_seconds']:.2f}</td>"
-        f"<td class='num speedup'>x{r['speedup']}</td>"
+        f"<td class='num speedup'>{_speedup_html(r)}</td>"
         f"<td class='num steps'>{r['steps_computed']} of {r['steps']}</td><td class=clips>{clips}</td></tr>"
     )
+
+
+def _speedup_html(r: dict) -> str:
+    if r["exact"]:
+        return "from the cache"
+    return "miss" if r["speedup"] is None else f"x{r['speedup']}"
 
 
 def _fmt(v) -> str:

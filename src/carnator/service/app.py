@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import secrets
 from collections.abc import Mapping
 from importlib import resources
@@ -23,7 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic_core import PydanticCustomError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -90,7 +92,8 @@ class JobStats(BaseModel):
     steps: int = Field(description="denoising steps of the request")
     steps_computed: int = Field(description="denoising steps computed (the rest came from the cache)")
     speedup: float | None = Field(None, description="estimated dense seconds / seconds (this tenant's recent misses of the "
-                                  "same settings, or this job's own seconds per step)")
+                                  "same settings, or this job's own seconds per step); none for an exact hit, which is "
+                                  "served from the cache")
     seconds: float
     seconds_saved: float
     reason: str = Field(description="why the engine reused or not")
@@ -113,7 +116,7 @@ class VideoJob(BaseModel):
     error: ErrorDetail | None = None
     stats: JobStats | None = None
     prompt: str
-    request: dict[str, Any] = Field(description="the request as run (the seed filled in when not given)")
+    request: dict[str, Any] = Field(description="the request as run: the seed and the model's defaults filled in where not given")
     attempts: int = Field(description="times a worker started the job (a restart may requeue it once)")
     cancel_requested: bool
 
@@ -124,6 +127,13 @@ class VideoList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+
+def _finite(v: Any) -> Any:
+    """NaN and infinities (JSON's ``NaN``, ``Infinity``) are no number a setting takes: say so, before the bounds."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise PydanticCustomError("finite_number", "Input should be a finite number")
+    return v
 
 
 def _request_model(policies: tuple[str, ...], max_steps: int) -> type[BaseModel]:
@@ -141,7 +151,8 @@ def _request_model(policies: tuple[str, ...], max_steps: int) -> type[BaseModel]
         height: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
         width: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
         num_inference_steps: Annotated[StrictInt, Field(ge=1, le=max_steps)] | None = None
-        guidance_scale: Annotated[StrictFloat | StrictInt, Field(ge=0, le=100, allow_inf_nan=False)] | None = None
+        guidance_scale: Annotated[StrictFloat | StrictInt, Field(ge=0, le=100, allow_inf_nan=False),
+                                  BeforeValidator(_finite)] | None = None
         policy: Policy = Field("carnator", description="how cached work is reused")  # type: ignore[valid-type]
         cache: Literal["reuse", "exact", "off"] = Field("reuse", description="what the job may take from the cache: reuse "
                                                         "(exact hits and approximate reuse), exact (exact hits only), off")
@@ -159,7 +170,7 @@ def job_view(job: Job) -> dict[str, Any]:
     }
 
 
-_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503)}
+_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 415, 422, 429, 503)}
 
 
 def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -208,6 +219,15 @@ def create_app(service: "Service") -> FastAPI:
             return found
 
     Tenant = Annotated[str, Depends(tenant_of)]
+
+    def json_body(request: Request) -> None:
+        """A body sent as anything but JSON (curl's -d sends a form; no Content-Type at all) is not read as JSON."""
+        given = request.headers.get("content-type", "")
+        kind = given.split(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):
+            service.metrics.rejections.labels(reason="invalid").inc()
+            raise ApiError(415, "unsupported_media_type", "send the body as JSON with the header Content-Type: "
+                           f"application/json (this request's: {given or 'none'})")
     JobId = Annotated[str, Path(min_length=1, max_length=100, description="the job's id")]
 
     # -- errors -------------------------------------------------------------------------------
@@ -258,8 +278,8 @@ def create_app(service: "Service") -> FastAPI:
     # -- routes -------------------------------------------------------------------------------
     @app.post("/v1/videos", status_code=202, response_model=VideoJob, tags=["videos"],
               responses={200: {"model": VideoJob, "description": "an Idempotency-Key replay: the job it created"},
-                         **_responses(400, 401, 409, 413, 422, 429, 503)})
-    def create_video(body: VideoRequest, tenant: Tenant,  # type: ignore[valid-type]
+                         **_responses(400, 401, 409, 413, 415, 422, 429, 503)})
+    def create_video(body: VideoRequest, tenant: Tenant, _json: Annotated[None, Depends(json_body)],  # type: ignore[valid-type]
                      idempotency_key: Annotated[str | None, Header(max_length=255, pattern=r"^[\x21-\x7e]+$")] = None):
         """Queue a video job; 202 with the job. Poll it, stream its events, download it when completed."""
         if service.pool.draining:
@@ -279,7 +299,7 @@ def create_app(service: "Service") -> FastAPI:
                 max_queued=cfg.max_queue, max_queued_per_tenant=service.max_queue_per_tenant)
         except QueueFull as e:
             service.metrics.rejections.labels(reason=e.reason).inc()
-            raise ApiError(429, "rate_limited", str(e), {"Retry-After": str(service.pool.retry_after(e.queued))}) from None
+            raise ApiError(429, "rate_limited", str(e), {"Retry-After": str(service.pool.retry_after())}) from None
         except IdempotencyConflict as e:
             service.metrics.rejections.labels(reason="idempotency_conflict").inc()
             raise ApiError(409, "conflict", str(e)) from None
@@ -317,8 +337,10 @@ def create_app(service: "Service") -> FastAPI:
     def get_content(video_id: JobId, tenant: Tenant, variant: Literal["video", "mp4", "gif"] = "video"):
         """The finished video: ``video/mp4`` (``variant=gif``: an animated GIF)."""
         job = _get(tenant, video_id)
+        if job.status in (CANCELLED, FAILED):
+            raise ApiError(409, "conflict", f"job {video_id} was {job.status}: it has no video")
         if job.status != COMPLETED:
-            raise ApiError(409, "conflict", f"job {video_id} is {job.status}: its video is ready when it is completed")
+            raise ApiError(409, "conflict", f"job {video_id} is {job.status.replace('_', ' ')}: its video is ready when it is completed")
         v = "gif" if variant == "gif" else "mp4"
         path = service.store.video_path(tenant, video_id, v)
         if path is None:
@@ -419,6 +441,23 @@ def create_app(service: "Service") -> FastAPI:
     return app
 
 
+def json_http_protocol() -> type:
+    """uvicorn's HTTP protocol, answering a request it cannot parse (a bad Content-Length, a broken header) with the
+    service's JSON error instead of its plain-text 400; the connection then closes, as uvicorn's does."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class JsonErrorProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps({"error": {"type": "bad_request", "message": "the request is not valid HTTP/1.1 (a bad "
+                                         "Content-Length, request line or header)"}}).encode()
+            head = (f"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                    "connection: close\r\n\r\n").encode()
+            self.transport.write(head + body)
+            self.transport.close()
+
+    return JsonErrorProtocol
+
+
 class BodyLimit:
     """413 for a request body over ``limit`` bytes (declared or streamed); 400 for a bad Content-Length."""
 
@@ -469,4 +508,4 @@ def _too_large(limit: int) -> JSONResponse:
     return error_response(413, "too_large", f"the request body is over {limit} bytes")
 
 
-__all__ = ["create_app", "ApiError", "VideoJob", "VideoList", "JobStats", "STATUSES"]
+__all__ = ["create_app", "json_http_protocol", "ApiError", "VideoJob", "VideoList", "JobStats", "STATUSES"]

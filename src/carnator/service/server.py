@@ -165,16 +165,19 @@ class Service:
         self._started = False
 
     def validate(self, params: dict[str, Any], tenant: str) -> None:
-        """InvalidRequestError (a CarnatorError) when the engine would refuse the request."""
+        """InvalidRequestError (a CarnatorError) when the engine would refuse the request; else fills in ``params``'
+        unset settings with the model's defaults, so that the job's ``request`` is the request as run."""
         from ..errors import InvalidRequestError
 
         steps = params.get("num_inference_steps")
         if steps is not None and steps > self.max_steps:
             raise InvalidRequestError(f"num_inference_steps must be at most {self.max_steps} on this server, got {steps}")
         self.engine.policy(params.get("policy", "carnator"))
-        self.engine.resolve(params["prompt"], seed=params["seed"], tenant=tenant, negative_prompt=params.get("negative_prompt"),
-                            num_inference_steps=steps, num_frames=params.get("num_frames"), height=params.get("height"),
-                            width=params.get("width"), guidance_scale=params.get("guidance_scale"))
+        req = self.engine.resolve(params["prompt"], seed=params["seed"], tenant=tenant,
+                                  negative_prompt=params.get("negative_prompt"), num_inference_steps=steps,
+                                  num_frames=params.get("num_frames"), height=params.get("height"),
+                                  width=params.get("width"), guidance_scale=params.get("guidance_scale"))
+        params.update(req.settings())
 
     def start(self) -> None:
         if self._started:
@@ -267,11 +270,12 @@ def run(config: ServeConfig, *, out: Callable[[str], None] | None = None) -> int
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     with job_table_lock(config.store, cache_dir):
         service = Service(config)
-        from .app import create_app
+        from .app import create_app, json_http_protocol
 
         app = create_app(service)
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",
-                                        timeout_graceful_shutdown=5, access_log=False), service, say)
+                                        timeout_graceful_shutdown=5, access_log=False, http=json_http_protocol()),
+                         service, say)
         logging.getLogger("uvicorn.error").addFilter(_NoBindError())
         try:
             server.run()

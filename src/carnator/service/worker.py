@@ -108,6 +108,44 @@ class DenseEstimate:
             return self._ema.get(key)
 
 
+#: the settings a cached request must share to be reused (``Request.settings``), in words
+_SETTINGS = (("num_inference_steps", "steps"), ("num_frames", "frames"), ("height", "height"), ("width", "width"),
+             ("guidance_scale", "guidance"))
+
+
+def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> str | None:
+    """What a miss's reason says beyond the policy's (None: the policy's stands). ``cache: off``: that. A miss that
+    found nothing asking the same: when one of the tenant's ``recent`` jobs asked the same prompt with other settings,
+    that job and the settings (a cached request is reused only with the same ones); else what
+    :func:`carnator.explain.describe` says (the nearest cached request of the tenant and what it asks differently, as
+    ``carnator generate`` and the demo say)."""
+    from ..explain import describe
+
+    s = res.stats
+    if params.get("cache") == "off":
+        return "the cache was off for this request (cache: off): nothing was read from it or stored"
+    notes = s.notes or {}
+    if s.hit or notes.get("recall") != "content" or notes.get("recalled") != 0:
+        return None
+    req, mine = res.request, " ".join(res.request.prompt.lower().split())
+    for job in recent:
+        if (job.status != COMPLETED or not (job.stats or {}).get("stored")
+                or " ".join(str(job.params.get("prompt", "")).lower().split()) != mine):
+            continue
+        changed = [(k, word) for k, word in _SETTINGS if job.params.get(k) is not None and job.params[k] != getattr(req, k)]
+        if changed:
+            theirs = ", ".join(f"{job.params[k]} {word}" for k, word in changed)
+            now = ", ".join(f"{getattr(req, k)} {word}" for k, word in changed)
+            return (f"{s.reason}; your job {job.id} asked the same prompt with {theirs} (this one: {now}), and a cached "
+                    "request is reused only with the same steps, frames, size and guidance")
+    try:
+        out = describe(engine, res)
+    except Exception:  # noqa: BLE001 - an explanation must never fail the job it explains
+        log.exception("describing a miss failed")
+        return None
+    return out.reason if out.tested_id is not None else None
+
+
 def summarize(stats, req, dense_seconds: float | None) -> dict[str, Any]:
     """The job's ``stats``: the engine's decision and timings, with steps computed, speedup and seconds saved. Only
     this job's own data (its cache entries are the tenant's own)."""
@@ -121,7 +159,8 @@ def summarize(stats, req, dense_seconds: float | None) -> dict[str, Any]:
     elif dense_seconds is None and stats.dit_forwards:  # before any miss: this job's own seconds per forward
         dit = stats.timings.get("dit", 0.0)
         dense_seconds = seconds - dit + dit / stats.dit_forwards * stats.dense_forwards
-    speedup = round(dense_seconds / seconds, 2) if dense_seconds and seconds > 0 else None
+    # an exact hit is served from the cache: over its near-zero time any dense estimate is a ratio of noise, so none
+    speedup = round(dense_seconds / seconds, 2) if dense_seconds and seconds > 0 and tier != "exact" else None
     return {
         "tier": tier, "hit": bool(stats.hit), "exact_hit": bool(stats.exact_hit), "resume_step": stats.resume_step,
         "steps": n, "steps_computed": int(computed), "speedup": speedup, "seconds": round(seconds, 4),
@@ -200,10 +239,12 @@ class WorkerPool:
     def running(self) -> int:
         return len(self._running)
 
-    def retry_after(self, queued: int) -> int:
-        """Seconds until ``queued`` jobs ahead would have run, from the mean job time (at least 1)."""
+    def retry_after(self) -> int:
+        """Seconds until a full queue has room again: a worker finishing its job takes the next queued one, so one
+        mean job time (5 s before any job finished) over the workers; at least 1. Not the whole queue's time: a
+        queued job leaves the queue when it starts, not when it ends."""
         per_job = self.job_seconds_ema or 5.0
-        return max(1, min(3600, math.ceil((queued + 1) * per_job / max(1, len(self.devices)))))
+        return max(1, min(3600, math.ceil(per_job / max(1, len(self.devices)))))
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self, dev: Device) -> None:
@@ -293,6 +334,12 @@ class WorkerPool:
                 log.exception("job %s: storing its cache entry failed", job.id)
         key = DenseEstimate.key(job.tenant, p, res.request)
         summary = summarize(st, res.request, self.estimate.get(key))
+        if summary["tier"] == "miss":
+            try:
+                recent = self.store.list(job.tenant, limit=50)[0]
+            except JobStoreError:
+                recent = []
+            summary["reason"] = miss_reason(eng, res, p, recent) or summary["reason"]
         if summary["tier"] == "miss":
             self.estimate.add(key, summary["seconds"])
         self._finish(job, COMPLETED, stats=summary, videos=videos, wall=wall, dev=dev)
