@@ -10,7 +10,7 @@ import pytest
 
 from carnator import Carnator, EngineConfig
 from carnator.judges import register_judge
-from carnator.reuse import CalibrationConfig, Thresholds
+from carnator.reuse import CalibrationConfig, Thresholds, split_pairs
 from carnator.reuse.tiers import Tier, certify_tiers
 from carnator.testing import hashed_embedder
 
@@ -49,9 +49,13 @@ def test_certify_tiers_selects_the_latest_safe_step_and_certifies_it_once():
 
 def test_a_kind_too_few_or_too_unsafe_to_certify_gets_no_certified_tier():
     few = certify_tiers(_rows("object", {5: [False] * 20}))["object"]
-    # 6 of 20 select, 14 certify with 0 unsafe: 1 - 0.1 ** (1 / 14) = 15.2 % > 5 %
-    assert few["step"] == 5 and few["accepted"] == 14 and few["bound"] == pytest.approx(1 - 0.1 ** (1 / 14))
-    assert few["certified"] is False
+    # 6 of 20 select, 14 would certify: even 0 unsafe of 14 bounds at 1 - 0.1 ** (1 / 14) = 15.2 % > 5 %, so no step
+    # is worth the one test
+    assert few["step"] is None and few["selection"]["5"] == {"reused": 6, "unsafe": 0}
+    # 100 pairs, 1 unsafe in selection at step 5: 70 certify, where 1 unsafe already bounds above 5 % (0 must be)
+    first = int(split_pairs(100)[0][0])   # the first pair of the selection split
+    one = certify_tiers(_rows("size", {5: [i == first for i in range(100)], 15: [False] * 50 + [True] * 50}))["size"]
+    assert one["selection"]["5"]["unsafe"] == 1 and one["step"] is None
     bad = certify_tiers(_rows("motion", {5: [i % 2 == 0 for i in range(100)]}))["motion"]
     assert bad["step"] is None and "certified" not in bad   # no step passes selection: nothing to certify
     same = certify_tiers(_rows("re-roll", {45: [False] * 100}))["re-roll"]

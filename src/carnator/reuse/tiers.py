@@ -8,7 +8,7 @@ the Clopper-Pearson bound of the unsafe share among that kind's calibration reus
 certified tier is a miss.
 
 :func:`certify_tiers` selects each kind's step on one split of its pairs (the latest step, so the fewest recomputed
-steps, whose unsafe share is within ``delta`` there) and certifies it on the other, once.
+steps, whose unsafe share there could still certify at the other split's size) and certifies it on the other, once.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
-from .calibrate import CalibrationConfig, clopper_pearson_upper
+from .calibrate import CalibrationConfig, allowed_unsafe, clopper_pearson_upper, split_pairs
 
 __all__ = ["KINDS", "SAME_CONTENT_KINDS", "Tier", "certify_tiers"]
 
@@ -79,8 +77,9 @@ def certify_tiers(rows: Sequence[Mapping[str, Any]], cfg: CalibrationConfig = Ca
     ``num_steps``, ``hit`` (the forced reuse ran: the source passed the admission gate and a region was found) and
     ``acceptable`` (the judge's label). Each kind's pairs are split as :func:`~carnator.reuse.split_pairs` splits
     (``cfg.selection_fraction``, ``cfg.split_seed``); on the selection split the latest step whose unsafe share among
-    the reused is within ``cfg.delta`` (or whose bound is, at ``cfg.selection_confidence``) is chosen, then certified
-    once on the certification split. Returns, per kind, the :class:`Tier` as a dict with ``selection`` (per step:
+    the reused would still certify at the size of the certification split's reuses (or, with
+    ``cfg.selection_confidence``, whose bound is within ``cfg.delta``) is chosen, then certified once on the
+    certification split. Returns, per kind, the :class:`Tier` as a dict with ``selection`` (per step:
     reused, unsafe) beside it; a kind no step passes in selection has ``step`` None."""
     by_kind: dict[str, dict[int, dict[int, Mapping[str, Any]]]] = {}
     of: dict[str, int] = {}
@@ -92,11 +91,11 @@ def certify_tiers(rows: Sequence[Mapping[str, Any]], cfg: CalibrationConfig = Ca
     out: dict[str, dict[str, Any]] = {}
     for kind, pairs in sorted(by_kind.items()):
         ids = sorted(pairs)
-        rng = np.random.default_rng(cfg.split_seed)
-        perm = rng.permutation(len(ids))
-        n_sel = int(round(cfg.selection_fraction * len(ids)))
-        sel = [ids[j] for j in sorted(perm[:n_sel])]
-        cert = [ids[j] for j in sorted(perm[n_sel:])]
+        if len(ids) < 2:
+            out[kind] = {"kind": kind, "step": None, "of": of.get(kind), "selection": {}, "selection_pairs": 0}
+            continue
+        sel_idx, cert_idx = split_pairs(len(ids), cfg)
+        sel, cert = [ids[j] for j in sel_idx], [ids[j] for j in cert_idx]
         steps = sorted({s for i in ids for s in pairs[i]})
         table, chosen = {}, None
         for s in steps:
@@ -106,7 +105,10 @@ def certify_tiers(rows: Sequence[Mapping[str, Any]], cfg: CalibrationConfig = Ca
             if not reused:
                 continue
             if cfg.selection_confidence is None:
-                ok = bad / len(reused) <= cfg.delta
+                # the unsafe share that would still certify at the size of the certification split's reuses at this
+                # step (their count, not their labels): a step whose share could not certify is not worth the one test
+                n_cert = sum(1 for i in cert if s in pairs[i] and pairs[i][s]["hit"])
+                ok = n_cert > 0 and bad / len(reused) <= allowed_unsafe(n_cert, cfg.delta, cfg.confidence)[n_cert] / n_cert
             else:
                 ok = clopper_pearson_upper(bad, len(reused), cfg.selection_confidence) <= cfg.delta
             if ok:
