@@ -108,7 +108,7 @@ def seconds_per_pair(rows) -> dict[str, float]:
 def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judge: Judge, rule: QualityRule,
                     source: Mapping | None = None, steps: int | None = None, settings: Mapping | None = None,
                     cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | Sequence[int] | None = None,
-                    progress=print, shard: tuple[int, int] | None = None) -> dict | None:
+                    progress=print, shard: tuple[int, int] | None = None, tier_scope: str = "auto") -> dict | None:
     """Generate and judge the ``pairs`` not yet in ``out_dir/pairs.jsonl``, then select and certify thresholds and write
     them (thresholds.json, calibration.json); returns the summary. ``pairs=None`` (``--select-only``) generates nothing:
     it selects and certifies from every pair already there, e.g. under another rule. ``source``: how the pairs were
@@ -118,7 +118,9 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
 
     ``resume_step``: one step, or several (risk tiers): each pair's source is then generated once and its target
     reused from every step, one row per (pair, step), and the thresholds file certifies one tier per kind of change
-    (:func:`carnator.reuse.certify_tiers`) instead of one set of thresholds."""
+    (:func:`carnator.reuse.certify_tiers`) instead of one set of thresholds. ``tier_scope``: how those reuses
+    recompute: "frame" every token from the step, "region" the probe's regions (blending the source in outside them),
+    "auto" frame for re-rolls and rewordings, region for edits."""
     from .policies.carnator import DEFAULT_RESUME_STEP, CarnatorConfig, CarnatorPolicy
 
     log_path = out_dir / "pairs.jsonl"
@@ -134,8 +136,10 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     # Forced reuse: thresholds that accept every pair (with tiers, a tier open for every kind of change, so that the
     # reuse is decided and planned as a served one is; its resume step is the run's, not the nominal 1 of 2).
     open_tau = out_dir / "open_thresholds.json"
-    open_tiers = tuple(Tier(k, 1, 2, scope="frame" if k in SAME_CONTENT_KINDS else "region", certified=True)
-                       for k in KINDS) if tiered else ()
+    if tier_scope not in ("auto", "frame", "region"):
+        raise CarnatorError(f"tier scope must be auto, frame or region, got {tier_scope!r}")
+    scope_of = {k: tier_scope if tier_scope != "auto" else ("frame" if k in SAME_CONTENT_KINDS else "region") for k in KINDS}
+    open_tiers = tuple(Tier(k, 1, 2, scope=scope_of[k], certified=True) for k in KINDS) if tiered else ()
     Thresholds(math.inf, math.inf, math.inf, math.inf, tiers=open_tiers).save(open_tau, model_id=engine.model_identity)
     # One resume step for every pair, named (not the thresholds file's own), and recorded with the thresholds it certifies;
     # the probe on every request, so that every pair's discrepancies are measured whatever the thresholds read.
@@ -156,7 +160,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     # The reading and the judge are part of what a pair means: a resumed run must read and judge as the first did.
     drawn = {**dict(source or {}), "reading": json.loads(json.dumps(reading)), "judge": judge.identity}
     if tiered:
-        drawn["resume_steps"] = at_steps
+        drawn["resume_steps"], drawn["tier_scope"] = at_steps, tier_scope
     meta_path = out_dir / "pairs.meta.json"
     if meta_path.exists():
         stored = json.loads(meta_path.read_text())
@@ -210,7 +214,8 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
                 jr = judge.score(reuse.frames, tgt, reference=dense.frames)
                 t5 = time.perf_counter()
                 d = reuse.stats.notes.get("discrepancies")
-                row = {"i": i, "kind": kind, "change": change, "source": src, "target": tgt, "hit": reuse.stats.hit, "d": d,
+                row = {"i": i, "kind": kind, "change": change, "scope": scope_of.get(change) if tiered else None,
+                       "source": src, "target": tgt, "hit": reuse.stats.hit, "d": d,
                        "reason": reuse.stats.reason,
                        "dense": jd, "reuse": jr,
                        "dit_dense": dense.stats.timings.get("dit"), "dit_reuse": reuse.stats.timings.get("dit"),

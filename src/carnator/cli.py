@@ -406,7 +406,7 @@ def cmd_calibrate(args) -> int:
                               settings=_settings(args),
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold,
                                                     selection_confidence=args.selection_confidence, rule=args.rule),
-                              resume_step=args.resume_step, shard=args.shard)
+                              resume_step=args.resume_step, shard=args.shard, tier_scope=args.tier_scope)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
     return 0
@@ -777,6 +777,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--resume-step", type=_resume_steps, default=None, metavar="STEP[,STEP...]",
                    help="the step a reuse resumes at (default: the policy's own setting, else 30); recorded in the thresholds file. "
                         "Several (5,10,20,45): risk tiers, each pair reused from every step and one step certified per kind of change")
+    k.add_argument("--tier-scope", choices=["auto", "frame", "region"], default="auto",
+                   help="with several resume steps, how a tier's reuse recomputes: frame (every token from its step), region "
+                        "(the probe's regions, the source kept outside them) or auto (frame for re-rolls and rewordings, region "
+                        "for edits; default)")
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
     k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",

@@ -469,9 +469,12 @@ class CarnatorPolicy(Policy):
         if decision.regions is not None:  # an injected decision's own target (a replay)
             masks = list(decision.regions) if sub is None else [decision.regions[0]]
         masks = tuple(m for m in masks if m is not None)
-        # no probe ran (a content-only rule): no region was read, and the whole frame is recomputed (Active 1.0)
+        frame = (decision.details.get("tier") or {}).get("scope") == "frame"
+        if frame:
+            masks, source = (), []   # a frame tier recomputes every token from its step: nothing of the source is blended in
+        # no probe ran (a content-only rule) or a frame tier: no region, the whole frame is recomputed (Active 1.0)
         region = RegionSpec(scope=cfg.scope, masks=masks, source_masks=tuple(source) if masks else (),
-                            everywhere_if_empty=inputs.signature is None)
+                            everywhere_if_empty=inputs.signature is None or frame)
         masks_apply = inputs.sparse is not None
         return ReusePlan(
             hit=True, source_id=decision.source_id, resume_step=r, init_latent=f"traj.{r - 1}",

@@ -119,7 +119,9 @@ def certify_tiers(rows: Sequence[Mapping[str, Any]], cfg: CalibrationConfig = Ca
             reused = [pairs[i][chosen] for i in cert if chosen in pairs[i] and pairs[i][chosen]["hit"]]
             bad = _unsafe(reused)
             bound = clopper_pearson_upper(bad, len(reused), cfg.confidence) if reused else None
-            entry.update(scope="frame" if kind in SAME_CONTENT_KINDS else "region", pairs=len(cert), accepted=len(reused),
+            scope = next((r.get("scope") for r in reused if r.get("scope")), None) or (
+                "frame" if kind in SAME_CONTENT_KINDS else "region")   # how the rows' reuses recomputed
+            entry.update(scope=scope, pairs=len(cert), accepted=len(reused),
                          unsafe=bad, bound=bound, certified=bool(bound is not None and bound <= cfg.delta))
         out[kind] = entry
     return out
