@@ -282,9 +282,12 @@ class CarnatorPolicy(Policy):
         asks after recall and skips the probe when not."""
         if self.cfg.probe == "always":
             return True
-        if self.edit_tiers():
-            # An edit's plan recomputes the regions the probe reads, and every entry stores them for later edits; only
-            # a request that will resume a same-content candidate (its whole frame recomputed) needs none.
+        if self.tiers:
+            # A region tier's plan recomputes the regions the probe reads, and every entry stores them for later edits;
+            # a request that will resume by a frame tier (its whole frame recomputed), or any request when no tier
+            # reads a region, needs none.
+            if not any(t.scope == "region" for t in self.tiers.values()):
+                return False
             cands = self.candidates(inputs, need_signature=False)
             first = self.tier_for(inputs, cands[0][0]) if cands else None
             return first is None or first.scope != "frame"
