@@ -11,7 +11,8 @@ import pytest
 from carnator import Carnator, EngineConfig
 from carnator.judges import register_judge
 from carnator.reuse import CalibrationConfig, Thresholds, split_pairs
-from carnator.reuse.tiers import Tier, certify_tiers
+from carnator.reuse.calibrate import certify_tiers
+from carnator.reuse.tiers import Tier
 from carnator.testing import hashed_embedder
 
 # The embedded world's palette (RGB) for the colours these tests ask for; every pixel is read as its nearest one.

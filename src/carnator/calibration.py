@@ -25,7 +25,8 @@ import numpy as np
 from .errors import CarnatorError
 from .judges import Judge, QualityRule
 from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate, separation
-from .reuse.tiers import KINDS, SAME_CONTENT_KINDS, Tier, certify_tiers
+from .reuse.calibrate import certify_tiers
+from .reuse.tiers import KINDS, SAME_CONTENT_KINDS, Tier
 from .signature.content import change_kind
 
 Pair = tuple[str, str, int, str, int]

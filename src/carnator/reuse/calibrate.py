@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,6 +28,7 @@ import numpy as np
 from scipy.stats import beta
 
 from .compat import DIMENSIONS, Discrepancies, RiskScore, Thresholds, risk_features
+from .tiers import SAME_CONTENT_KINDS
 
 __all__ = [
     "CalibrationConfig",
@@ -454,3 +455,64 @@ def calibrate(pairs: Sequence[CalibrationPair], cfg: CalibrationConfig = Calibra
         selection_indices=tuple(int(i) for i in sel_idx),
         certification_indices=tuple(int(i) for i in cert_idx),
     )
+
+
+def _unsafe(rows: Sequence[Mapping[str, Any]]) -> int:
+    return sum(1 for r in rows if not r["acceptable"])
+
+
+def certify_tiers(rows: Sequence[Mapping[str, Any]], cfg: CalibrationConfig = CalibrationConfig()) -> dict[str, dict[str, Any]]:
+    """Per kind of change, its tier selected and certified from calibration rows of several resume steps.
+
+    ``rows``: one per (pair, resume step) with ``i`` (the pair), ``change`` (its kind), ``resume_step``,
+    ``num_steps``, ``hit`` (the forced reuse ran: the source passed the admission gate and a region was found) and
+    ``acceptable`` (the judge's label). Each kind's pairs are split as :func:`~carnator.reuse.split_pairs` splits
+    (``cfg.selection_fraction``, ``cfg.split_seed``); on the selection split the latest step whose unsafe share among
+    the reused would still certify at the size of the certification split's reuses (or, with
+    ``cfg.selection_confidence``, whose bound is within ``cfg.delta``) is chosen, then certified once on the
+    certification split. Returns, per kind, the :class:`Tier` as a dict with ``selection`` (per step:
+    reused, unsafe) beside it; a kind no step passes in selection has ``step`` None."""
+    by_kind: dict[str, dict[int, dict[int, Mapping[str, Any]]]] = {}
+    of: dict[str, int] = {}
+    for r in rows:
+        kind = str(r.get("change") or r.get("kind"))
+        by_kind.setdefault(kind, {}).setdefault(int(r["i"]), {})[int(r["resume_step"])] = r
+        if r.get("num_steps"):
+            of[kind] = int(r["num_steps"])
+    out: dict[str, dict[str, Any]] = {}
+    for kind, pairs in sorted(by_kind.items()):
+        ids = sorted(pairs)
+        if len(ids) < 2:
+            out[kind] = {"kind": kind, "step": None, "of": of.get(kind), "selection": {}, "selection_pairs": 0}
+            continue
+        sel_idx, cert_idx = split_pairs(len(ids), cfg)
+        sel, cert = [ids[j] for j in sel_idx], [ids[j] for j in cert_idx]
+        steps = sorted({s for i in ids for s in pairs[i]})
+        table, chosen = {}, None
+        for s in steps:
+            reused = [pairs[i][s] for i in sel if s in pairs[i] and pairs[i][s]["hit"]]
+            bad = _unsafe(reused)
+            table[str(s)] = {"reused": len(reused), "unsafe": bad}
+            if not reused:
+                continue
+            if cfg.selection_confidence is None:
+                # the unsafe share that would still certify at the size of the certification split's reuses at this
+                # step (their count, not their labels): a step whose share could not certify is not worth the one test
+                n_cert = sum(1 for i in cert if s in pairs[i] and pairs[i][s]["hit"])
+                ok = n_cert > 0 and bad / len(reused) <= allowed_unsafe(n_cert, cfg.delta, cfg.confidence)[n_cert] / n_cert
+            else:
+                ok = clopper_pearson_upper(bad, len(reused), cfg.selection_confidence) <= cfg.delta
+            if ok:
+                chosen = s   # steps ascend: the latest that passes wins
+        entry: dict[str, Any] = {"kind": kind, "step": chosen, "of": of.get(kind), "selection": table,
+                                 "selection_pairs": len(sel)}
+        if chosen is not None:
+            reused = [pairs[i][chosen] for i in cert if chosen in pairs[i] and pairs[i][chosen]["hit"]]
+            bad = _unsafe(reused)
+            bound = clopper_pearson_upper(bad, len(reused), cfg.confidence) if reused else None
+            scope = next((r.get("scope") for r in reused if r.get("scope")), None) or (
+                "frame" if kind in SAME_CONTENT_KINDS else "region")   # how the rows' reuses recomputed
+            entry.update(scope=scope, pairs=len(cert), accepted=len(reused),
+                         unsafe=bad, bound=bound, certified=bool(bound is not None and bound <= cfg.delta))
+        out[kind] = entry
+    return out

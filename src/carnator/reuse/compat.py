@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import CarnatorError
 from ..signature.colour import ciede2000
 from ..signature.signature import EarlySignature, NounSignature, normalize_noun
+from .tiers import Tier
 
 __all__ = [
     "THRESHOLDS_FORMAT_VERSION",
@@ -339,8 +340,6 @@ class Thresholds:
     of change. With tiers a candidate is reused by its kind's tier, and a kind without one is a miss."""
 
     def __post_init__(self) -> None:
-        from .tiers import Tier
-
         object.__setattr__(self, "tiers", tuple(self.tiers))
         if any(not isinstance(t, Tier) for t in self.tiers):
             raise ValueError("Thresholds.tiers must hold Tier objects")
@@ -364,8 +363,6 @@ class Thresholds:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
-        from .tiers import Tier
-
         risk = RiskScore.from_dict(d["risk"]) if d.get("risk") is not None else None
         tiers = tuple(Tier.from_dict({"kind": k, **t}) for k, t in (d.get("tiers") or {}).items())
         return cls(**{k: (math.inf if d.get(k) is None else float(d[k])) for k in (*DIMENSIONS, "content")}, risk=risk,
