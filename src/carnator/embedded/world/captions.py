@@ -181,7 +181,7 @@ def parse(text: str) -> Scene:
 def word_roles(text: str) -> list[int]:
     """What each word of ``text`` (``WordTokenizer.words`` order) describes: the index of the object
     whose size, colour, noun or motion phrase it belongs to, :data:`PLACE` for the place phrase, or
-    :data:`FILLER` - attached as :func:`parse` attaches them. Training uses it to ground each object's
+    :data:`FILLER` - attached as :func:`parse` attaches them. The training (carnator-lab) uses it to ground each object's
     words in the object's pixels.
     """
     n_words, toks = _attach(text)
