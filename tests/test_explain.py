@@ -37,7 +37,7 @@ def stream(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory):
-    """The default engine (carnator-lab installed: the shapes judge is the gate): the shipped file."""
+    """The default engine (the embedded model's shapes judge is the gate): the shipped file."""
     return _stream(tmp_path_factory.mktemp("explain-gated") / "cache")
 
 

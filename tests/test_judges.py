@@ -1,7 +1,10 @@
 """Quality judges for real backbones: CLIP-T from a local CLIP (checked against a hand computation through
-transformers' own forward), SSIM / PSNR / flicker on clips with known answers, and the quality rule's floors."""
+transformers' own forward), SSIM / PSNR / flicker on clips with known answers, the quality rule's floors, and the
+embedded model's own ``shapes`` judge (shipped with the library, bound to the identity its calibrations record)."""
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,3 +123,50 @@ def test_quality_flags_make_floors_and_deltas():
     assert rule.floors == {"ssim": 0.6, "flicker": 0.2} and rule.deltas == {"psnr": 3.0}
     assert _quality_rule(argparse.Namespace(quality=[]), get_judge("reference")).to_dict() == {
         "deltas": {"flicker": 0.02}, "directions": {"flicker": -1, "ssim": 1}, "floors": {"ssim": 0.5}}
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_shapes_judge_ships_with_the_library_under_the_identity_its_calibrations_record():
+    """``shapes`` is a built-in (no package registers it); its identity is the hash of the clip reader's source, the
+    one the summary of the embedded model's calibration at resume step 45 recorded (a changed reader would no longer match it)."""
+    from carnator.embedded.judge import READER, ShapesJudge
+
+    judge = get_judge("shapes")
+    assert type(judge) is ShapesJudge and "shapes" in available_judges()
+    assert READER.is_file() and READER.parent.parent.name == "embedded"
+    recorded = json.loads((REPO / "lab/notebook/bench-embedded/levers-tier45-h100-calibration.json").read_text())
+    assert judge.identity == recorded["judge"] == "shapes-17fbf9e8578d"
+    assert judge.directions == {"fidelity": 1, "artifact": -1}
+    with pytest.raises(ValueError, match="takes no argument"):
+        get_judge("shapes=x")
+
+
+def _ball_moving_left_on_grass(frames=16, size=64):
+    """A big red ball (radius 11 px) moving 27 px left over a grass gradient, anti-aliased as the world draws it."""
+    from carnator.embedded.world.render import shape_sdf
+    from carnator.embedded.world.scene import BACKGROUNDS, COLORS, SIZE_RADIUS
+
+    top, bottom = (np.array(c, float) / 255 for c in BACKGROUNDS["grass"])
+    rows = np.linspace(0, 1, size)[:, None, None]
+    bg = np.broadcast_to(top + (bottom - top) * rows, (size, size, 3))
+    r = SIZE_RADIUS["big"] * size
+    ys, xs = np.mgrid[0:size, 0:size] + 0.5
+    out = []
+    for t in range(frames):
+        cx = 45 - 27 * t / (frames - 1)
+        alpha = np.clip(0.5 - shape_sdf("circle", (xs - cx) / r, (ys - 32) / r) * r, 0, 1)[..., None]
+        out.append(bg * (1 - alpha) + np.array(COLORS["red"]) / 255 * alpha)
+    return (np.stack(out) * 255).round().astype(np.uint8)
+
+
+def test_the_shapes_judge_reads_a_clip_drawn_by_hand():
+    """Every attribute the prompt states and the clip shows counts: all five for its own caption (nothing unexplained),
+    none for a caption that differs in each, two of five for one that keeps only the place and the motion."""
+    judge = get_judge("shapes")
+    clip = _ball_moving_left_on_grass()
+    own = judge.score(clip, "a big red ball moving left on grass")
+    assert own["fidelity"] == 1.0 and own["artifact"] == 0.0
+    assert judge.score(clip, "a small blue box moving right in the snow")["fidelity"] == 0.0
+    assert judge.score(clip, "footage of a tiny yellow star drifting left on a grassy field, 4k")["fidelity"] == 2 / 5

@@ -73,6 +73,20 @@ def test_the_library_never_imports_the_lab(graph):
     assert not graph.chain_exists(importer="carnator", imported="carnator_lab", as_packages=True)
 
 
+def test_the_embedded_models_judge_is_the_librarys_and_the_lab_reads_clips_with_it(graph):
+    """The shapes judge ships with the library: its clip reader (``carnator.embedded.world``) needs nothing else of
+    carnator, the judge only the judges' protocol; the lab's world imports that reader and keeps no copy of it."""
+    world = "carnator.embedded.world"
+    assert {"carnator.embedded.judge", f"{world}.judge", f"{world}.captions", f"{world}.scene", f"{world}.render"} <= graph.modules
+    assert {m for m in _imports_of(graph, world) if m.split(".")[0] == "carnator"} == set()
+    assert {m for m in _imports_of(graph, "carnator.embedded.judge") if m.split(".")[0] == "carnator"} == {
+        "carnator.judges", f"{world}.judge"}
+    for module, name in (("carnator_lab.world", "judge"), ("carnator_lab.world.captions", "captions"),
+                         ("carnator_lab.world.scene", "scene"), ("carnator_lab.world.render", "render")):
+        assert graph.direct_import_exists(importer=module, imported=f"{world}.{name}"), module
+    assert not {"carnator_lab.judge", "carnator_lab.world.judge"} & graph.modules
+
+
 def test_no_import_cycles(graph):
     assert _cycles(graph) == []
 

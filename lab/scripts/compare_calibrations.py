@@ -10,7 +10,7 @@ import gzip
 import json
 
 from carnator.calibration import calibration_pair, reused_rows
-from carnator_lab.judge import shapes_rule
+from carnator.embedded.judge import shapes_rule
 from carnator.reuse import separation
 
 

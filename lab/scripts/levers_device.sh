@@ -15,10 +15,6 @@ rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk
 export PYTHONPATH=$PWD/src:$PWD/lab/src:/tmp/dpk:$PWD/.cache/dev/py HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 t0=$(date +%s)
-# the shapes judge by name in calibrate's spawned workers: carnator-lab's entry point, as `pip install ./lab` declares it
-d=/tmp/dpk/carnator_lab_shim-0.dist-info; mkdir -p $d
-printf 'Metadata-Version: 2.1\nName: carnator-lab-shim\nVersion: 0\n' > $d/METADATA
-printf '[carnator.judges]\nshapes = carnator_lab.judge:ShapesJudge\n' > $d/entry_points.txt
 keep() {  # whole lines of a calibrate run's pairs.jsonl (a cut leaves a partial last line), gzipped into OUT/NAME
   mkdir -p "$out/$2"
   python3 -c 'import json,sys; [print(l, end="") for l in open(sys.argv[1]) if l.endswith("\n") and json.loads(l)]' \

@@ -30,16 +30,6 @@ _ENG = None
 _JUDGE = None
 
 
-def register_shapes() -> None:
-    """The shapes judge by name, also where carnator-lab is importable but not installed (its entry point missing)."""
-    from carnator.judges import available_judges, register_judge
-
-    if "shapes" not in available_judges():
-        from carnator_lab.judge import ShapesJudge
-
-        register_judge("shapes", ShapesJudge)
-
-
 def _engine(cache: str, device: str, **policy_options):
     from carnator import Carnator
     from carnator.engine import EngineConfig
@@ -53,7 +43,6 @@ def _init(device: str, root: str):
     global _ENG, _JUDGE
     from carnator.judges import get_judge
 
-    register_shapes()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _ENG = _engine(f"{root}/w{os.getpid()}", device)
     _JUDGE = get_judge("shapes")
@@ -90,7 +79,6 @@ def part_b(out: Path, n: int, device: str, root: str) -> None:
     from carnator_lab.world.captions import caption
     from carnator_lab.world.scene import sample_scene
 
-    register_shapes()
     judge = get_judge("shapes")
     rng = np.random.default_rng(26026)   # not the calibration's seeds (0) nor the bench trace's (0)
     prompts = [caption(sample_scene(rng, split="heldout"), rng, split="heldout") for _ in range(n)]

@@ -45,8 +45,6 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from levers_sources import register_shapes  # noqa: E402
 
 VARIANTS = {
     "content": ({}, {"admitted_only": False, "probe": "always"}),
@@ -70,7 +68,6 @@ def engine(cache, device, *, write_behind=None, **carnator):
     from carnator import Carnator
     from carnator.engine import EngineConfig
 
-    register_shapes()
     cfg = EngineConfig(cuda_graphs=device.startswith("cuda"), latent_dtype="float16", write_behind=write_behind,
                        admission_judge="shapes", policy_options={"carnator": carnator} if carnator else {})
     return Carnator.from_pretrained("embedded", str(cache), device=device, config=cfg)

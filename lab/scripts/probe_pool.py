@@ -35,7 +35,7 @@ import torch
 from carnator.embedded import load_pipeline
 from carnator.embedded.sample import denoise_batch
 from carnator_lab.world.captions import caption
-from carnator_lab.world.judge import judge
+from carnator.embedded.world.judge import judge
 from carnator_lab.world.render import to_uint8
 from carnator_lab.world.scene import sample_scenes
 from carnator_lab.train import caption_roles, token_cover

@@ -4,7 +4,7 @@
     python lab/scripts/rule_noise.py [-n 48] [--seed 777]
 
 For n train-split captions (as `carnator calibrate` draws them) the embedded model generates two dense
-clips, seeds i and 1000 + i, and the world judge scores both. The shapes rule (`carnator_lab.judge.shapes_rule`)
+clips, seeds i and 1000 + i, and the world judge scores both. The shapes rule (`carnator.embedded.judge.shapes_rule`)
 (fidelity >= dense - delta_fidelity and artifact <= dense + delta_artifact) is applied to the second clip
 against the first, for the default deltas and a few wider ones. A reuse cannot be labelled more reliably
 than this: an unsafe rate (or bound) below the floor printed here measures seed noise, not reuse.
@@ -18,11 +18,11 @@ import time
 import numpy as np
 import torch
 
-from carnator_lab.judge import shapes_rule
+from carnator.embedded.judge import shapes_rule
 from carnator.embedded import load_pipeline
 from carnator.embedded.sample import sample_batch
 from carnator_lab.world.captions import caption
-from carnator_lab.world.judge import judge
+from carnator.embedded.world.judge import judge
 from carnator_lab.world.render import to_uint8
 from carnator_lab.world.scene import sample_scenes
 

@@ -48,10 +48,10 @@ def main() -> int:
 
     from carnator import Carnator, EngineConfig
     from carnator_lab.pairs import make_pairs
-    from carnator_lab.judge import shapes_rule
+    from carnator.embedded.judge import shapes_rule
     from carnator.policies.carnator import CarnatorConfig, CarnatorPolicy
     from carnator.reuse import Thresholds
-    from carnator_lab.world.judge import judge
+    from carnator.embedded.world.judge import judge
 
     diffusers.utils.logging.disable_progress_bar()
     part_names = ("full", "nomasks", "nowindow", "none", "exact", "estimate")

@@ -1,5 +1,5 @@
 """The lab's command line: the shapes world's benchmark and calibration through the library's `carnator bench` and
-`carnator calibrate` with the shapes judge (found by its entry point), and the lab package's other contracts."""
+`carnator calibrate` with the shapes judge (the library's, by name), and the lab package's other contracts."""
 
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ def test_bench_latent_dtype_is_the_stored_latents_dtype(tmp_path):
 
 
 
-def test_the_shapes_judge_is_found_by_its_entry_point_and_scores_a_rendered_clip():
-    """The library finds the lab's judge by name (entry point group carnator.judges) without importing the lab itself;
-    a clip rendered from a caption scores full fidelity and no artifact against that caption, and less against another."""
+def test_the_librarys_shapes_judge_scores_a_clip_the_lab_rendered():
+    """The judge the library ships for the embedded model reads the world the lab renders: a clip rendered from a
+    caption scores full fidelity and no artifact against that caption, and less against another."""
 
     from carnator.judges import available_judges, get_judge
     from carnator_lab.world import caption, render, sample_scenes, to_uint8

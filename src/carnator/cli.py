@@ -651,8 +651,8 @@ def _confirm_clear(bank, args) -> bool:
 def _add_judge_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--judge", default=None, metavar="NAME[=ARG]",
                    help="the quality judge: clip=DIR (CLIP-T from a local CLIP model directory, with SSIM, PSNR against dense "
-                        "and flicker), reference (SSIM, PSNR, flicker only), or a judge a package registers "
-                        "(the lab's shapes-world judge: shapes). Default: shapes for the embedded model, else required")
+                        "and flicker), reference (SSIM, PSNR, flicker only), shapes (the embedded model's own judge: its clips read back) "
+                        "or a judge a package registers. Default: shapes for the embedded model, else required")
     p.add_argument("--quality", action="append", default=[], metavar="SCORE=DELTA",
                    help=f"{what}: a reuse is acceptable iff each named judge score loses at most DELTA against dense on the same "
                         "request, and each SCORE>=FLOOR (SCORE<=CEILING) holds (repeatable; default: the judge's own rule: "

@@ -68,10 +68,10 @@ class EngineConfig:
     cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
         applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
         launch-bound models; the results are the eager forward's.
-    admission_judge: the quality judge (a :func:`~carnator.judges.get_judge` spec; "auto", the default: ``shapes`` on the
-        embedded model when that judge is registered (carnator-lab installed), else none)
+    admission_judge: the quality judge (a :func:`~carnator.judges.get_judge` spec; "auto", the default: ``shapes``, the
+        embedded model's own judge, on the embedded model, else none)
         that scores every stored request's own output, after decode; its scores go into the entry (``quality``) and the
-        entry is ``admitted`` as a reuse source only if they pass ``admission_rule`` (issue 26, lever 1: a re-roll is
+        entry is ``admitted`` as a reuse source only if they pass ``admission_rule`` (a re-roll is
         unsafe mostly when its source was itself a failed generation). None: no judge, every entry admitted.
     admission_rule: per score, the bar its output must pass: a higher-is-better score must be ``>=`` its value, a
         lower-is-better one ``<=`` (directions from the judge). Default: fidelity >= 0.75, artifact <= 0.1, i.e. the
@@ -164,9 +164,7 @@ class Carnator:
         self._judge = None
         spec = self.config.admission_judge
         if spec == "auto":
-            from .judges import available_judges
-
-            spec = "shapes" if self.adapter.family == "embedded" and "shapes" in available_judges() else None
+            spec = "shapes" if self.adapter.family == "embedded" else None
         if spec is not None:
             from .judges import get_judge
 

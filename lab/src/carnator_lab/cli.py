@@ -20,7 +20,7 @@ from pathlib import Path
 from carnator.cli import main as carnator_main
 from carnator.errors import CarnatorError
 
-from .judge import DEFAULT_DELTAS
+from carnator.embedded.judge import DEFAULT_DELTAS
 
 
 def _quality(args) -> list[str]:

@@ -13,8 +13,10 @@ LEXICON_PATH = Path(carnator.__file__).resolve().parent / "embedded" / "lexicon.
 
 def lexicon() -> dict:
     """The lexicon document: the world's vocabulary and every phrase its captions use, with the nouns of object and
-    place phrases (as :func:`carnator_lab.world.captions.nouns` reads them)."""
-    from .world import captions as c
+    place phrases (as :func:`carnator.embedded.world.captions.nouns` reads them)."""
+    from carnator.embedded.world import captions as c
+
+    from .world.captions import vocabulary
 
     phrases = []
     for words, (kind, value) in sorted(c._LEXICON.items()):
@@ -28,7 +30,7 @@ def lexicon() -> dict:
     return {"about": "The embedded model's caption lexicon: every phrase its captions use, longest match first; nouns of object and "
                      "place phrases (the noun filter's input) and each phrase's canonical value (what it asks: synonyms share one; the content reader's input). Generated from the shapes world by `carnator-lab export-lexicon`; "
                      "a lab test keeps the two equal.",
-            "vocabulary": c.vocabulary(), "phrases": phrases}
+            "vocabulary": vocabulary(), "phrases": phrases}
 
 
 def write_lexicon(path: Path = LEXICON_PATH) -> None:

@@ -376,7 +376,7 @@ def evaluate(out: Path, dev, n: int, flow_shift: float) -> tuple[dict, np.ndarra
     from carnator.embedded import load_pipeline
     from carnator.embedded.model import build_scheduler
     from carnator.embedded.sample import sample_batch
-    from carnator_lab.world.judge import judge
+    from carnator.embedded.world.judge import judge
     from carnator_lab.world.render import to_uint8
 
     ev = load_pipeline(dev, out / "weights.safetensors", out / "weights.json")

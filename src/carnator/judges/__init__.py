@@ -6,9 +6,9 @@ it checks and how much each may lose against dense (the paper's Delta). One rule
 (labels for threshold selection and certification) and ``carnator bench`` (the unsafe-hit rate), and every thresholds
 file records the rule and the judge's identity.
 
-Judges are found by name (:func:`get_judge`): the ones shipped here, and any a package registers under the entry-point
-group ``carnator.judges`` (the lab's shapes-world judge is ``shapes``): ``NAME`` or ``NAME=ARG`` (e.g. a model
-directory).
+Judges are found by name (:func:`get_judge`): the ones shipped here (``clip``, ``reference``, and ``shapes``, the
+embedded model's own judge, :mod:`carnator.embedded.judge`), and any a package registers under the entry-point group
+``carnator.judges``: ``NAME`` or ``NAME=ARG`` (e.g. a model directory).
 """
 
 from __future__ import annotations
@@ -156,5 +156,10 @@ def _reference_factory(arg: str | None = None) -> Judge:
     return importlib.import_module(f"{__name__}.reference").reference_judge(arg)
 
 
+def _shapes_factory(arg: str | None = None) -> Judge:
+    return importlib.import_module("carnator.embedded.judge").ShapesJudge(arg)
+
+
 register_judge("clip", _clip_factory)
 register_judge("reference", _reference_factory)
+register_judge("shapes", _shapes_factory)

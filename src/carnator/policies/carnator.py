@@ -34,8 +34,8 @@ log = logging.getLogger("carnator")
 MASK_PREFIX = "attn."
 EVIDENCE_PREFIX = "evidence."
 SHIPPED_THRESHOLDS = Path(__file__).resolve().parent.parent / "embedded" / "thresholds.json"
-#: the embedded model's file for an engine without the admission gate the shipped file needs (carnator-lab's ``shapes``
-#: judge not installed, or ``admitted_only`` off): certified on its own, it reuses re-rolls only
+#: the embedded model's file for an engine without the admission gate the shipped file needs (an engine
+#: whose ``admission_judge`` is not ``shapes``, or ``admitted_only`` off): certified on its own, it reuses re-rolls only
 SHIPPED_THRESHOLDS_NOGATE = SHIPPED_THRESHOLDS.with_name("thresholds-nogate.json")
 #: the resume step when neither the configuration nor the thresholds file names one (of any number of steps)
 DEFAULT_RESUME_STEP = 30

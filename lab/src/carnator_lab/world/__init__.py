@@ -1,4 +1,5 @@
-"""Procedural "shapes world": scenes, a vectorised torch renderer, a caption grammar and a judge.
+"""Procedural "shapes world": scenes, a vectorised torch renderer, a caption grammar and (from the library,
+:mod:`carnator.embedded.world`) the parser and the judge that read a caption and a clip back.
 
     from carnator_lab.world import sample_scenes, render, caption, parse, judge
     scenes = sample_scenes(8, rng=0)                      # list[Scene]
@@ -7,11 +8,12 @@
     report = judge(video[0], text)                        # report.fidelity, report.artifact
 """
 
+from carnator.embedded.world.judge import JudgeReport, ObjectReading, Reading, judge, read
+
 from .captions import (
     EDIT_KINDS, HELDOUT_TEMPLATES, TEMPLATES, TRAIN_TEMPLATES, EditPair, Style, caption, edit, nouns, parse,
     random_style, vocabulary,
 )
-from .judge import JudgeReport, ObjectReading, Reading, judge, read
 from .render import Layout, Rendered, layout, render, shape_sdf, to_uint8
 from .scene import (
     BACKGROUNDS, COLORS, MOTIONS, SHAPES, SIZES, Obj, Scene, compatible, sample_scene, sample_scenes, split_of,

@@ -1,4 +1,8 @@
-"""The shapes-world judge as a :class:`carnator.judges.Judge` (registered as ``shapes``)."""
+"""The embedded model's judge, ``shapes``: the shapes world's reading of a clip as a :class:`carnator.judges.Judge`.
+
+It is the embedded model's admission gate (``EngineConfig.admission_judge="auto"``) and the judge its shipped
+thresholds were calibrated with.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,21 @@ from pathlib import Path
 
 import numpy as np
 
-from carnator.judges import QualityRule
+from ..judges import QualityRule
+
+__all__ = ["ShapesJudge", "shapes_rule", "DEFAULT_DELTAS", "READER"]
 
 #: The shapes-world quality rule's default deltas: fidelity may drop by 0.1, artifact rise by 0.02.
 DEFAULT_DELTAS = {"fidelity": 0.1, "artifact": 0.02}
+#: the module that reads a clip back; the judge's identity is the hash of its bytes
+READER = Path(__file__).resolve().parent / "world" / "judge.py"
 
 
 class ShapesJudge:
-    """Reads a clip of the embedded model back (:func:`carnator_lab.world.judge.judge`): ``fidelity`` (share of the
-    prompt's attributes present, higher is better) and ``artifact`` (share of pixels of unexplained foreground, lower is
-    better). Its identity is the hash of the judge's source, so a changed judge never reads an old thresholds file."""
+    """Reads a clip of the embedded model back (:func:`carnator.embedded.world.judge.judge`): ``fidelity`` (share of
+    the prompt's attributes present, higher is better) and ``artifact`` (share of pixels of unexplained foreground, lower
+    is better). Its identity is the hash of the reading module's source (:data:`READER`), so a changed judge never reads
+    an old thresholds file (and an unchanged one, moved, still does: keep that file's bytes when moving it)."""
 
     name = "shapes"
     directions = {"fidelity": 1, "artifact": -1}
@@ -25,8 +34,7 @@ class ShapesJudge:
     def __init__(self, arg: str | None = None):
         if arg:
             raise ValueError("the shapes judge takes no argument")
-        src = (Path(__file__).parent / "world" / "judge.py").read_bytes()
-        self.identity = f"shapes-{hashlib.sha256(src).hexdigest()[:12]}"
+        self.identity = f"shapes-{hashlib.sha256(READER.read_bytes()).hexdigest()[:12]}"
 
     def score(self, frames: np.ndarray, prompt: str, reference: np.ndarray | None = None) -> dict[str, float]:
         from .world.judge import judge
