@@ -247,6 +247,48 @@ def test_postgres_one_server_per_database_and_unreachable_database(pg_schema_url
         PostgresJobStore("postgresql://nobody@127.0.0.1:1/none", tmp_path / "v")
 
 
+def test_postgres_server_lock_is_taken_again_after_a_postgresql_restart(private_postgres, tmp_path):
+    """A restart of PostgreSQL ends the session holding the one-server lock. The server takes it again on its next
+    call, so a second server started afterwards is refused and the first completes its job in one attempt; a server
+    that lost the lock to another (started before it reconnected) refuses every change and says why, and the job is
+    completed once, by the other server."""
+    from carnator.errors import CarnatorError
+    from carnator.service.jobs import JobStoreUnavailable
+    from carnator.service.pgjobs import PostgresJobStore, hold_jobs
+
+    pg, url = private_postgres, f"{private_postgres.url}?schema=served"
+    with hold_jobs(url) as held:
+        a = PostgresJobStore(url, tmp_path / "a", server_lock=held)
+        job, _ = a.submit("t", P)
+        assert a.claim("t", "wa").attempts == 1
+        pg.pause()
+        pg.resume()
+        a.healthy()  # the server's next call (its workers poll every 0.5 s): takes the lock again
+        assert a.healthy() is None
+        with pytest.raises(CarnatorError, match=r"another carnator serve \(pid \d+\) uses the job table"):
+            with hold_jobs(url):
+                pass
+        assert a.finish(job.id, 1, COMPLETED) and a.get("t", job.id).attempts == 1
+
+        second, _ = a.submit("t", P)
+        assert a.claim("t", "wa").id == second.id
+        pg.pause()
+        pg.resume()
+        with hold_jobs(url) as other:  # started before the first server touched the database again
+            b = PostgresJobStore(url, tmp_path / "b", server_lock=other)
+            assert b.recover(3)["requeued"] == [second.id]
+            assert "took this server's job table" in (a.healthy() or "")
+            with pytest.raises(JobStoreUnavailable, match="takes no more jobs"):
+                a.claim("t", "wa")
+            with pytest.raises(JobStoreUnavailable):
+                a.finish(second.id, 1, COMPLETED)
+            assert not a.update_progress(second.id, 1, 50)
+            assert b.claim("t", "wb").attempts == 2 and b.finish(second.id, 2, COMPLETED)
+            assert [h["kind"] for h in b.history(second.id)].count(COMPLETED) == 1
+            b.close()
+        a.close()
+
+
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0

@@ -13,8 +13,9 @@ It keeps every rule of :mod:`carnator.service.jobs`:
 
 Videos of finished jobs are files, as with SQLite: ``<video_dir>/<job>.<variant>``, where ``carnator serve`` passes
 its ``--cache-dir``/``videos`` (the ingress's local disk; the job table is shared, the files are not). One
-``carnator serve`` uses a database schema at a time (:func:`hold_jobs`, a session advisory lock), so ``recover`` at
-start-up never requeues a live server's jobs.
+``carnator serve`` uses a database schema at a time (:class:`ServerLock`, a session advisory lock taken again when
+PostgreSQL restarts), so ``recover`` at start-up never requeues a live server's jobs; a server that lost the lock to
+another one while PostgreSQL restarted stops taking jobs and says so.
 
 PostgreSQL unreachable: calls raise :class:`~carnator.service.jobs.JobStoreUnavailable` (``update_progress`` returns
 False), ``healthy`` says why, and the next call reconnects.
@@ -109,11 +110,12 @@ class PostgresJobStore(VideoFiles):
 
     Every thread may call every method (one connection, used under a lock). Several stores (processes) may share the
     tables: claims, attempts and limits stay correct; ``recover`` assumes no other server is running (see
-    :func:`hold_jobs`).
+    :func:`hold_jobs`). A server's store takes its ``server_lock``: every call first checks that the server still
+    holds its job table (:meth:`ServerLock.check`), and is refused once it has lost it.
     """
 
     def __init__(self, url: str, video_dir: str | os.PathLike[str], *, connect_timeout_s: float = 3.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, server_lock: ServerLock | None = None):
         try:
             import psycopg  # noqa: F401
         except ImportError:
@@ -129,6 +131,7 @@ class PostgresJobStore(VideoFiles):
         self._lock = threading.RLock()
         self._conn: Any = None
         self._closed = False
+        self._server_lock = server_lock
         self._submit_key = _key(f"carnator-jobs-submit:{self.schema}")
         with self._lock:
             self._connect()  # a wrong URL or a down database fails here, at start-up
@@ -167,6 +170,8 @@ class PostgresJobStore(VideoFiles):
         import psycopg
 
         with self._lock:
+            if self._server_lock is not None:
+                self._server_lock.check()  # no change to the jobs without holding the job table
             conn = self._connect()
             try:
                 with conn.transaction():
@@ -378,29 +383,96 @@ class PostgresJobStore(VideoFiles):
                 self._conn = None
 
 
-@contextlib.contextmanager
-def hold_jobs(url: str, *, connect_timeout_s: float = 3.0) -> Iterator[None]:
-    """One ``carnator serve`` per database schema (its job table): a session advisory lock on a connection held while
-    the server runs (released when the process ends, however). :class:`CarnatorError` in one line when another server
-    holds it or the database cannot be reached."""
-    import psycopg
+class ServerLock:
+    """One ``carnator serve`` per database schema (its job table): a session advisory lock on a connection of its own.
 
-    conninfo, schema = parse_store_url(url)
-    try:
-        conn = psycopg.connect(conninfo, connect_timeout=max(1, int(connect_timeout_s)), autocommit=True)
-    except psycopg.Error as exc:
-        raise CarnatorError(f"--store: cannot connect to PostgreSQL for the job table: {_first_line(exc)}") from None
-    try:
-        conn.execute("SELECT set_config('application_name', %s, false)", (f"carnator serve pid {os.getpid()}",))
-        if not conn.execute("SELECT pg_try_advisory_lock(%s)", (_key(f"carnator-serve:{schema}"),)).fetchone()[0]:
+    A PostgreSQL restart ends every session, and the lock with it: :meth:`check` (run by the job store before each
+    transaction) notices the dead connection, reconnects and takes the lock again. Another server may have taken it
+    first (started while this one had not reconnected yet): then this server has lost its job table for good (the other
+    one requeued its running jobs at start-up), and every later :meth:`check` raises :class:`JobStoreUnavailable`
+    saying so: it takes no more jobs and reports not ready until it is stopped.
+    """
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 3.0) -> None:
+        self._conninfo, self.schema = parse_store_url(url)
+        self.connect_timeout_s = connect_timeout_s
+        self._key = _key(f"carnator-serve:{self.schema}")
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        #: why this server no longer holds its job table (None while it does)
+        self.lost: str | None = None
+        with self._lock:
+            self._take(first=True)
+
+    def _take(self, *, first: bool) -> None:
+        import psycopg
+
+        try:
+            conn = psycopg.connect(self._conninfo, connect_timeout=max(1, int(self.connect_timeout_s)), autocommit=True)
+        except psycopg.Error as exc:
+            if first:
+                raise CarnatorError(f"--store: cannot connect to PostgreSQL for the job table: {_first_line(exc)}") from None
+            raise JobStoreUnavailable(f"cannot connect to the job table's PostgreSQL: {_first_line(exc)}") from None
+        try:
+            conn.execute("SELECT set_config('application_name', %s, false)", (f"carnator serve pid {os.getpid()}",))
+            if conn.execute("SELECT pg_try_advisory_lock(%s)", (self._key,)).fetchone()[0]:
+                self._conn, conn = conn, None
+                if not first:
+                    log.warning("PostgreSQL is back: this server holds its job table (schema %s) again", self.schema)
+                return
             other = conn.execute(
                 "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
                 "WHERE l.locktype = 'advisory' AND l.objid = %s AND l.granted AND l.database = "
-                "(SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1",
-                (_key(f"carnator-serve:{schema}"),)).fetchone()
-            who = other[0].removeprefix("carnator serve ") if other and other[0] else "pid ?"
-            raise CarnatorError(f"another carnator serve ({who}) uses the job table of this database (schema {schema})")
-        yield
+                "(SELECT oid FROM pg_database WHERE datname = current_database()) LIMIT 1", (self._key,)).fetchone()
+        except psycopg.Error as exc:
+            if first:
+                raise CarnatorError(f"--store: the job table's PostgreSQL: {_first_line(exc)}") from None
+            raise JobStoreUnavailable(f"the job table's PostgreSQL: {_first_line(exc)}") from None
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+        who = other[0].removeprefix("carnator serve ") if other and other[0] else "pid ?"
+        if first:
+            raise CarnatorError(f"another carnator serve ({who}) uses the job table of this database (schema {self.schema})")
+        self.lost = (f"another carnator serve ({who}) took this server's job table (schema {self.schema}) while "
+                     "PostgreSQL was restarting: this server takes no more jobs; stop it")
+        log.error("%s", self.lost)
+        raise JobStoreUnavailable(self.lost)
+
+    def check(self) -> None:
+        """Return while this server holds its job table (taking the lock again after a lost connection);
+        :class:`JobStoreUnavailable` when it cannot tell (PostgreSQL down) or has lost it."""
+        import psycopg
+
+        with self._lock:
+            if self.lost is not None:
+                raise JobStoreUnavailable(self.lost)
+            if self._conn is not None:
+                try:
+                    self._conn.execute("SELECT 1")
+                    return
+                except psycopg.Error:
+                    with contextlib.suppress(Exception):
+                        self._conn.close()
+                    self._conn = None
+            self._take(first=False)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                with contextlib.suppress(Exception):
+                    self._conn.close()
+                self._conn = None
+
+
+@contextlib.contextmanager
+def hold_jobs(url: str, *, connect_timeout_s: float = 3.0) -> Iterator[ServerLock]:
+    """Hold the :class:`ServerLock` of ``url``'s schema while the server runs (released when the process ends,
+    however); pass it to the :class:`PostgresJobStore` the server uses. :class:`CarnatorError` in one line when another
+    server holds it or the database cannot be reached."""
+    held = ServerLock(url, connect_timeout_s=connect_timeout_s)
+    try:
+        yield held
     finally:
-        with contextlib.suppress(Exception):
-            conn.close()
+        held.close()
