@@ -9,7 +9,9 @@ What lives where:
   eviction policy). Tables live in one schema (``?schema=NAME`` in the URL, default ``carnator``).
 * Shared storage (fsspec): immutable checksummed safetensors blobs, written exactly as :class:`CacheBank` writes them
   (stage, commit the row, publish), so a crash anywhere leaves a staged blob without a row (swept after the grace
-  period) or a row whose blob is staged (published by its first reader).
+  period) or a row whose blob is staged (published by its first reader). Each store writes under a directory of its
+  own (recorded in its meta table), so stores sharing one ``blobs`` never sweep each other's blobs; a published blob
+  without a row or a logged removal is an entry the database lost, reported by :meth:`SharedStore.verify`.
 * Each replica: a FAISS index per ``(tenant, compat_key)`` scope, brought up to date before every search from the
   entry sequence and removal log (the bank's sequence/epoch design), and a bounded read-through cache of blob bytes.
 
@@ -65,7 +67,7 @@ from .eviction import LCBFU, LRU, get_eviction
 from .index import ScopeIndex, resolve_backend
 from .metadb import FORMAT_VERSION, REMOVAL_LOG_KEEP, Lease, SyncState, dump_extra
 from .protocol import StoreSpec
-from .store import check_blobs, read_tensors
+from .store import STAGED_SUFFIX, check_blobs, read_tensors
 
 log = logging.getLogger("carnator.cache")
 
@@ -157,7 +159,8 @@ class SharedStore:
     Args:
         url: ``postgresql://user[:password]@host[:port]/database[?schema=NAME]`` (libpq URL; ``schema`` picks the
             schema its tables live in, default ``carnator``).
-        blobs: where blobs live: a path (local or NFS) or an fsspec URL (``s3://bucket/prefix`` with s3fs installed).
+        blobs: where blobs live: a path (local or NFS) or an fsspec URL (``s3://bucket/prefix`` with s3fs installed);
+            this store's are in its own directory under it, :attr:`blobs_url`.
         read_only: serve lookups, loads and recall; store nothing.
         index_backend: ``"auto"``, ``"faiss"`` or ``"numpy"`` (same results, different speed).
         local_cache_bytes: bound of this process's read-through cache of blob bytes.
@@ -176,7 +179,10 @@ class SharedStore:
             raise CacheError("a postgresql:// store needs psycopg: pip install 'carnator[scale]'") from None
         self.url = url
         self._conninfo, self.schema = parse_store_url(url)
-        self.blobs_url = str(blobs)
+        #: where blobs of every store live; this store's are in its own directory under it, :attr:`blobs_url`
+        self.blobs_root = str(blobs).rstrip("/") or "/"
+        self.blobs_url = self.blobs_root
+        self._blob_dir: str | None = None
         self.read_only = bool(read_only)
         self.orphan_grace_s = float(orphan_grace_s)
         self.connect_timeout_s = float(connect_timeout_s)
@@ -195,12 +201,20 @@ class SharedStore:
         #: calls served degraded because PostgreSQL could not be reached (a metric: carnator_cache_store_unavailable)
         self.unavailable = 0
         try:
-            self.remote = FsspecBlobStore(self.blobs_url, read_only=self.read_only)
+            import fsspec
+
+            self._root_fs, self._root_path = fsspec.core.url_to_fs(self.blobs_root)
         except (OSError, ValueError, ImportError) as exc:
-            raise CacheError(f"--blobs {self.blobs_url}: not usable ({exc})") from None
-        self._blobs = ReadThroughBlobs(self.remote, local_cache_bytes)
+            raise CacheError(f"--blobs {self.blobs_root}: not usable ({exc})") from None
         with self._lock:
             self._connect()  # a wrong URL fails here, at start-up; an outage later degrades
+        if self._blob_dir is not None:
+            self.blobs_url = f"{self.blobs_root.rstrip('/')}/{self._blob_dir}"
+        try:
+            self.remote = FsspecBlobStore(self.blobs_url, read_only=self.read_only)
+        except (OSError, ValueError, ImportError) as exc:
+            raise CacheError(f"--blobs {self.blobs_root}: not usable ({exc})") from None
+        self._blobs = ReadThroughBlobs(self.remote, local_cache_bytes)
 
     # -- connection --------------------------------------------------------------------------------
 
@@ -248,7 +262,9 @@ class SharedStore:
                     # the sum of every entry's bytes, kept by the writers (a sum over 10^6 rows per admission is not)
                     conn.execute("INSERT INTO meta SELECT 'total_bytes', coalesce(sum(nbytes), 0)::text FROM entries "
                                  "ON CONFLICT DO NOTHING")
+                    self._own_blob_dir(conn)
                 row = conn.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
+                blob_dir = conn.execute("SELECT value FROM meta WHERE key = 'blob_dir'").fetchone()
             conn.execute(f"SET search_path TO {self.schema}")  # a session setting, outside the transaction too
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL: {_first_line(exc)}") from None
@@ -257,6 +273,30 @@ class SharedStore:
         if row is None or row[0] != str(FORMAT_VERSION):
             raise CacheError(f"store {_redact(self.url)} (schema {self.schema}) uses format version "
                              f"{row[0] if row else '?'}, this carnator reads version {FORMAT_VERSION}")
+        self._blob_dir = None if blob_dir is None else str(blob_dir[0])
+
+    def _own_blob_dir(self, conn: Any) -> None:
+        """Give the store a blob directory of its own (``<schema>-<random>`` under ``--blobs``), recorded in its meta
+        table: stores of several schemas may share one ``--blobs`` and never sweep each other's blobs. A store made
+        before blob directories existed (its blobs directly under ``--blobs``) has its entries' blobs moved into its
+        directory, once, in the writers' transaction that records it (moves are idempotent: a crash midway resumes)."""
+        if conn.execute("SELECT 1 FROM meta WHERE key = 'blob_dir'").fetchone() is not None:
+            return
+        name = f"{self.schema}-{secrets.token_hex(6)}"
+        fs, root = self._root_fs, self._root_path.rstrip("/")
+        fs.makedirs(f"{root}/{name}", exist_ok=True)
+        moved = 0
+        for (layout,) in conn.execute("SELECT layout FROM entries"):
+            for key in json.loads(layout)["blobs"]:
+                for src, dest in ((f"{root}/{key}", f"{root}/{name}/{key}"),
+                                  (f"{root}/.{key}{STAGED_SUFFIX}", f"{root}/{name}/.{key}{STAGED_SUFFIX}")):
+                    if fs.exists(src):
+                        fs.mv(src, dest)
+                        moved += 1
+        conn.execute("INSERT INTO meta VALUES ('blob_dir', %s)", (name,))
+        if moved:
+            log.warning("moved %d blob(s) of the cache store in schema %s into its own directory %s/%s",
+                        moved, self.schema, self.blobs_root, name)
 
     @contextmanager
     def _tx(self, *, write: bool = False, snapshot: bool = False, timeout_ms: int | None = None) -> Iterator[Any]:
@@ -857,7 +897,9 @@ class SharedStore:
 
     def verify(self, *, tenant: str | None = None, orphan_grace_s: float | None = None) -> VerifyReport:
         """Read every blob of every entry (of ``tenant``) whole and check it; quarantine bad ones, drop entries whose
-        blob is gone. For the whole store also sweep orphan blobs (no row, older than the grace period)."""
+        blob is gone. For the whole store also report entries whose row is gone while their blobs remain (*lost*:
+        the database lost them; their blobs are removed), and sweep leftovers (blobs of removed entries, staged blobs of
+        admissions that never committed, older than the grace period). Only this store's blob directory is read."""
         report = VerifyReport(read_only=self.read_only, tenant=tenant)
         with self._tx() as c:
             where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
@@ -875,39 +917,52 @@ class SharedStore:
                 continue
             report.checked += 1
         if tenant is None:
-            report.orphans_removed = self.sweep(self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s))
+            grace = self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s)
+            report.lost, report.orphans_removed = self._sweep(grace, remove_lost=True)
         return report
 
     def sweep(self, grace_s: float | None = None) -> list[str]:
-        """Remove blobs without a row older than ``grace_s`` (default: the store's grace period): admissions that
-        never committed, and blobs of removed entries whose deletion failed. Publishes staged blobs of committed
-        rows. Returns the names removed. Runs under the writers' lock, so no admission commits a row for a blob being
-        removed (an admission re-checks its staged blobs inside its own write transaction)."""
-        if self.read_only:
-            return []
-        grace = self.orphan_grace_s if grace_s is None else float(grace_s)
+        """Remove leftovers older than ``grace_s`` (default: the store's grace period): blobs of removed entries
+        whose deletion failed, staged blobs of admissions that never committed; publish staged blobs of committed
+        rows. Blobs of lost entries stay (for :meth:`verify` to report). Returns the names removed."""
+        return self._sweep(self.orphan_grace_s if grace_s is None else float(grace_s), remove_lost=False)[1]
+
+    def _sweep(self, grace_s: float, *, remove_lost: bool) -> tuple[list[str], list[str]]:
+        """Sort out this store's blobs without a row: published blobs of logged removals and staged blobs are leftovers,
+        removed once older than ``grace_s``; published blobs of entries never removed are *lost* (returned, removed
+        when ``remove_lost``). Runs under the writers' lock, so no admission commits a row for a blob being removed (an
+        admission re-checks its staged blobs inside its own write transaction). Returns (lost ids, leftovers
+        removed); read-only: removes nothing."""
         files = self._blobs.scan()
         if not files:
-            return []
-        cutoff = time.time() - grace
+            return [], []
+        cutoff = time.time() - grace_s
+        lost: set[str] = set()
         removed: list[str] = []
-        with self._tx(write=True) as c:
-            known = {r[0] for r in c.execute("SELECT id FROM entries")}
+        with self._tx(write=not self.read_only) as c:
+            known = {r[0] for r in c.execute("SELECT id FROM entries")}  # read after listing: see _sweep's docstring
+            logged = {r[0] for r in c.execute("SELECT id FROM removals")}
             for f in files:
                 if f.entry_id in known:
-                    if f.staged:
+                    if f.staged and not self.read_only:
                         self._safe(lambda k: str(self._blobs.publish(k)), f.key)
                     continue
-                if f.mtime > cutoff:
+                if not f.staged and f.entry_id not in logged:
+                    lost.add(f.entry_id)
+                    if not remove_lost:
+                        continue
+                elif f.mtime > cutoff:
+                    continue
+                if self.read_only:
                     continue
                 try:
-                    if self._blobs.remove(f):
+                    if self._blobs.remove(f) and f.entry_id not in lost:
                         removed.append(f.name)
                 except OSError as exc:
                     log.warning("could not delete orphan cache blob %s: %s", f.name, exc)
         if removed:
-            log.info("removed %d orphan blob(s) from %s", len(removed), self.blobs_url)
-        return sorted(removed)
+            log.info("removed %d leftover blob(s) from %s", len(removed), self.blobs_url)
+        return sorted(lost), sorted(removed)
 
 
 def _to_meta(row: Any) -> EntryMeta:
