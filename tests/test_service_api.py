@@ -255,3 +255,29 @@ def test_python_client_and_generate_server(server, tmp_path, capsys):
     assert err == "carnator: error: server: unknown API key (HTTP 401, unauthorized)", err
     assert main(["generate", "x", "--server", server.url, "--tenant", "alpha", "--out", str(out)]) == 2
     assert capsys.readouterr().err.strip().startswith("carnator: error: --tenant: with --server")
+
+
+def test_cache_says_what_a_job_reads_and_store_whether_it_writes(server, http):
+    """``"cache": "off"`` reads nothing; ``"store": false`` writes nothing: two such jobs leave no entry (the same
+    request then is a miss), while ``"cache": "off"`` alone runs in full and stores its result (the same request then
+    is an exact hit), as the engine's ``cache``/``store`` and the CLI's ``--cache off``/``--no-store`` do."""
+    key = list(KEYS)[2]
+    body = {"prompt": PROMPT, "seed": 9001, "num_inference_steps": 8}
+
+    def run(extra):
+        r = post(http, C, {**body, **extra})
+        assert r.status_code == 202, r.text
+        done = wait(server, key, r.json()["id"])
+        assert done["status"] == "completed", done
+        return done["stats"]
+
+    for _ in range(2):
+        st = run({"cache": "off", "store": False})
+        assert st["tier"] == "miss" and not st["stored"] and st["entry_id"] is None, st
+    st = run({})
+    assert st["tier"] == "miss" and st["stored"], st  # nothing was written by the two jobs before
+    body["seed"] = 9002
+    st = run({"cache": "off"})
+    assert st["tier"] == "miss" and st["stored"], st
+    assert run({})["tier"] == "exact"
+    assert error_of(post(http, C, {**body, "store": "no"}), 422, "invalid_request")

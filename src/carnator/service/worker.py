@@ -264,7 +264,7 @@ class WorkerPool:
                 p["prompt"], seed=p["seed"], policy=p.get("policy", "carnator"), negative_prompt=p.get("negative_prompt"),
                 num_inference_steps=p.get("num_inference_steps"), num_frames=p.get("num_frames"), height=p.get("height"),
                 width=p.get("width"), guidance_scale=p.get("guidance_scale"), tenant=job.tenant,
-                cache=p.get("cache", "reuse"), progress=progress, cancel=cancel, events=events,
+                cache=p.get("cache", "reuse"), store=p.get("store", True), progress=progress, cancel=cancel, events=events,
             )
         except Cancelled:
             return self._stopped_job(job)
