@@ -45,29 +45,29 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..errors import CacheError, CorruptEntryError
-from .bank import (
-    _HOST,
+from ..errors import CacheError
+from .policy import (
+    HOST,
     UNSET,
-    _as_vector,
-    _check_scope,
-    _dim_message,
-    _finite,
-    _NoRoom,
-    _pack,
-    _pid_alive,
-    _policy_name,
-    _Scope,
+    NoRoom,
+    Scope,
+    StorePolicy,
+    as_vector,
+    check_scope,
+    choose_victims,
+    dim_message,
+    pack,
+    pid_alive,
+    policy_name,
 )
 from .blobfs import FsspecBlobStore, ReadThroughBlobs
-from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
+from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import LCBFU, LRU, get_eviction
 from .index import ScopeIndex, resolve_backend
 from .metadb import FORMAT_VERSION, REMOVAL_LOG_KEEP, Lease, SyncState, dump_extra
 from .protocol import StoreSpec
-from .store import STAGED_SUFFIX, check_blobs, read_tensors
+from .store import STAGED_SUFFIX
 
 log = logging.getLogger("carnator.cache")
 
@@ -153,7 +153,7 @@ def _available(default: Any) -> Callable:
     return deco
 
 
-class SharedStore:
+class SharedStore(StorePolicy):
     """A cache store shared by processes on many hosts; implements :class:`~carnator.cache.CacheStore`.
 
     Args:
@@ -190,7 +190,7 @@ class SharedStore:
         self._clock = clock
         self._backend = resolve_backend(index_backend)
         self._lock = threading.RLock()
-        self._scopes: dict[tuple[str, str], _Scope] = {}
+        self._scopes: dict[tuple[str, str], Scope] = {}
         self._conn: Any = None
         self._pid = -1
         self._down_until = 0.0
@@ -383,7 +383,7 @@ class SharedStore:
         if capacity_bytes is not UNSET and capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
                 raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
-        name = None if eviction is None else _policy_name(eviction)
+        name = None if eviction is None else policy_name(eviction)
         with self._tx(write=True) as c:
             new = self._settings(c)
             if capacity_bytes is not UNSET:
@@ -413,18 +413,7 @@ class SharedStore:
     def admit(self, spec: StoreSpec) -> str | None:
         """Store one completed request (see :meth:`CacheStore.admit`); None when it cannot fit, the store is read-only,
         or PostgreSQL is unreachable (then counted in :attr:`unavailable`)."""
-        if not isinstance(spec, StoreSpec):
-            raise TypeError(f"admit takes a StoreSpec, not {type(spec).__name__}")
-        _check_scope(spec.tenant, spec.compat_key)
-        if not isinstance(spec.prompt, str):
-            raise TypeError("prompt must be a string")
-        if not _finite(spec.steps_saved):
-            raise ValueError(f"steps_saved must be a finite number, got {spec.steps_saved!r}")
-        if VIDEO in spec.tensors:
-            raise ValueError(f"tensor name {VIDEO!r} is reserved for the video: pass it as StoreSpec.video")
-        extra = dict(spec.extra or {})
-        dump_extra(extra)
-        vec = _as_vector(spec.embedding)
+        extra, vec = self._checked(spec)
         if self.read_only:
             self._warn_once("admit", "cache store %s is read-only: results are not stored", _redact(self.url))
             return None
@@ -439,31 +428,19 @@ class SharedStore:
             dim = self._scope_dim(c, spec.tenant, spec.compat_key)
             settings = self._settings(c)
         if dim is not None and dim != vec.size:
-            raise CacheError(_dim_message(spec.tenant, spec.compat_key, dim, vec.size))
+            raise CacheError(dim_message(spec.tenant, spec.compat_key, dim, vec.size))
         entry_id = uuid.uuid4().hex
-        blobs, layout = _pack(entry_id, spec.tensors, spec.video)
+        blobs, layout = pack(entry_id, spec.tensors, spec.video)
         nbytes = sum(len(b) for b in blobs.values())
-        if settings.capacity_bytes is not None and nbytes > settings.capacity_bytes:
-            log.warning("not caching a %d-byte entry: it is larger than the cache's whole capacity of %d bytes", nbytes,
-                        settings.capacity_bytes)
+        if not self._fits(nbytes, settings.capacity_bytes):
             return None
-        now = self._clock()
-        meta = EntryMeta(
-            id=entry_id, tenant=spec.tenant, compat_key=spec.compat_key, exact_key=spec.exact_key, prompt=spec.prompt,
-            negative_prompt=spec.negative_prompt, seed=None if spec.seed is None else int(spec.seed), created=now,
-            last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
-            content_key=spec.content_key,
-        )
+        meta = self._entry_meta(spec, entry_id, nbytes, vec, extra, self._clock())
         try:
-            try:
-                for key, data in blobs.items():
-                    self._blobs.stage(key, data)
-            except OSError as exc:
-                raise CacheError(f"cannot write to blob storage {self.blobs_url}: {exc.strerror or exc}") from exc
+            self._stage(blobs, f"blob storage {self.blobs_url}")
             del blobs
             try:
                 removed = self._insert(meta, layout)
-            except _NoRoom as exc:
+            except NoRoom as exc:
                 log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
                 removed = None
         except BaseException:
@@ -472,11 +449,7 @@ class SharedStore:
         if removed is None:
             self._discard_staged(layout)
             return None
-        for key in layout["blobs"]:
-            try:
-                self._blobs.publish(key)
-            except OSError as exc:  # readers publish it
-                log.debug("could not publish cache blob %s: %s", key, exc)
+        self._publish(layout)
         self._delete_blobs(removed)
         return entry_id
 
@@ -487,7 +460,7 @@ class SharedStore:
                     raise CacheError(f"cache blob {key} of a new entry vanished from {self.blobs_url}")
             dim = self._scope_dim(c, meta.tenant, meta.compat_key)
             if dim is not None and dim != meta.embedding.size:
-                raise CacheError(_dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
+                raise CacheError(dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
             settings = self._settings(c)
             replaced = []
             if meta.exact_key is not None:
@@ -498,7 +471,7 @@ class SharedStore:
             need = self._total_bytes(c) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
             victims, enough = self._victims(c, need, settings)
             if not enough:
-                raise _NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
+                raise NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
                               f"{settings.capacity_bytes} bytes")
             removed += self._delete(c, victims)
             c.execute(
@@ -530,18 +503,7 @@ class SharedStore:
                     if freed >= need:
                         return chosen, True
                 offset += len(rows)
-        candidates = {e.id: e for e in self._all(c)}
-        chosen: list[str] = []
-        freed = 0
-        for victim in get_eviction(settings.eviction).victims(list(candidates.values()), need):
-            entry = candidates.pop(victim, None)
-            if entry is None:
-                continue
-            chosen.append(victim)
-            freed += entry.nbytes
-            if freed >= need:
-                return chosen, True
-        return chosen, False
+        return choose_victims(self._all(c), need, settings.eviction)
 
     def _delete(self, c: Any, ids: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
         """Delete rows (inside a write transaction) and log the removals; ``(id, layout)`` of those that existed."""
@@ -615,47 +577,15 @@ class SharedStore:
 
     # -- single flight ----------------------------------------------------------------------------------
 
-    @contextmanager
-    def single_flight(self, tenant: str, exact_key: str, timeout_s: float = 600.0) -> Iterator[bool]:
-        """Hold the right to generate ``exact_key`` (across every replica): a lease row naming its holder and expiry,
-        as :meth:`CacheBank.single_flight`. PostgreSQL unreachable: enter at once, uncoordinated."""
-        if not isinstance(tenant, str) or not tenant or not isinstance(exact_key, str) or not exact_key:
-            raise ValueError("tenant and exact_key must be non-empty strings")
-        if not _finite(timeout_s) or timeout_s < 0:
-            raise ValueError(f"timeout_s must be a non-negative number, got {timeout_s!r}")
-        me = Lease(f"{uuid.uuid4().hex[:12]}:{threading.get_ident()}", _HOST, os.getpid(), 0.0)
-        deadline = time.monotonic() + timeout_s
-        waited = held = False
-        delay = 0.01
-        if not self.read_only:
-            while True:
-                try:
-                    held = self._take_lease(tenant, exact_key, me, timeout_s)
-                except StoreUnavailable as exc:
-                    self._note_unavailable("single_flight", exc)
-                    break
-                except (CacheError, OSError) as exc:
-                    self._warn_once("lease", "single-flight lease unavailable (%s); generating without it", exc)
-                    break
-                if held:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.warning("waited %.0f s for another worker generating the same request; generating it too", timeout_s)
-                    break
-                waited = True
-                time.sleep(min(delay, left))
-                delay = min(delay * 1.5, 0.2)
-        try:
-            yield waited
-        finally:
-            if held:
-                try:
-                    with self._tx() as c:
-                        c.execute("DELETE FROM leases WHERE tenant = %s AND exact_key = %s AND holder = %s",
-                                  (tenant, exact_key, me.holder))
-                except (CacheError, OSError) as exc:  # it expires by itself
-                    log.debug("could not release a single-flight lease: %s", exc)
+    def _lease_unavailable(self, exc: Exception) -> None:
+        if isinstance(exc, StoreUnavailable):  # PostgreSQL unreachable: enter at once, uncoordinated
+            self._note_unavailable("single_flight", exc)
+        else:
+            super()._lease_unavailable(exc)
+
+    def _drop_lease(self, tenant: str, exact_key: str, holder: str) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM leases WHERE tenant = %s AND exact_key = %s AND holder = %s", (tenant, exact_key, holder))
 
     def _take_lease(self, tenant: str, exact_key: str, me: Lease, ttl_s: float) -> bool:
         with self._tx() as c:
@@ -664,7 +594,7 @@ class SharedStore:
             now = time.time()
             if row is not None:
                 cur = Lease(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
-                if cur.expires > now and not (cur.host == _HOST and not _pid_alive(cur.pid)):
+                if cur.expires > now and not (cur.host == HOST and not pid_alive(cur.pid)):
                     return False
             # ON CONFLICT: another replica inserted the first lease at the same moment; the row lock decides
             got = c.execute(
@@ -677,30 +607,12 @@ class SharedStore:
 
     # -- reading ---------------------------------------------------------------------------------------
 
-    @_available(None)
-    def load(self, entry_id: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor] | None:
-        """The entry's tensors (all, or ``names``; :data:`VIDEO` for its video), each checked against its sha256;
-        None when gone or bad (a bad entry is quarantined, a vanished blob drops its row). ``KeyError`` for names the
-        entry never had."""
-        if isinstance(names, str):
-            raise TypeError("names must be a collection of tensor names, not one string")
+    load = _available(None)(StorePolicy.load)
+
+    def _layout(self, entry_id: str) -> dict[str, Any] | None:
         with self._tx() as c:
             row = c.execute("SELECT layout FROM entries WHERE id = %s", (entry_id,)).fetchone()
-        if row is None:
-            return None
-        layout = json.loads(row[0])
-        available = layout["tensors"]
-        wanted = list(available) if names is None else list(names)
-        missing = [n for n in wanted if n not in available]
-        if missing:
-            raise KeyError(f"cache entry {entry_id} has no tensors named {missing}; it has {sorted(available)}")
-        try:
-            return read_tensors(self._blobs, layout, wanted)
-        except FileNotFoundError:
-            self._drop_missing(entry_id, layout)
-        except CorruptEntryError as exc:
-            self._quarantine(entry_id, layout, str(exc))
-        return None
+        return None if row is None else json.loads(row[0])
 
     def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
         if self.read_only:
@@ -738,16 +650,16 @@ class SharedStore:
         """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, best first (ties: older
         first); with ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best
         first. This replica's index is first brought up to date with PostgreSQL."""
-        _check_scope(tenant, compat_key)
+        check_scope(tenant, compat_key)
         if k <= 0:
             return []
-        query = _as_vector(embedding)
+        query = as_vector(embedding)
         with self._tx(snapshot=True) as c:
             dim = self._scope_dim(c, tenant, compat_key)
             if dim is None:
                 return []
             if dim != query.size:
-                raise CacheError(_dim_message(tenant, compat_key, dim, query.size))
+                raise CacheError(dim_message(tenant, compat_key, dim, query.size))
             index = self._scope_index(c, tenant, compat_key, dim)
             hits = index.search(query, k)
             if content_key is not None:
@@ -763,7 +675,7 @@ class SharedStore:
     def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
         """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first (read from
         PostgreSQL; no index sync: no embedding is searched)."""
-        _check_scope(tenant, compat_key)
+        check_scope(tenant, compat_key)
         if k <= 0:
             return []
         with self._tx(snapshot=True) as c:
@@ -799,7 +711,7 @@ class SharedStore:
                 or (state.removal_seq > scope.removal_seq and not covers)):
             index = ScopeIndex(dim, self._backend)
             self._add_rows(c, index, tenant, compat_key, 0)
-            self._scopes[key] = _Scope(index, state.epoch, state.entry_seq, state.removal_seq)
+            self._scopes[key] = Scope(index, state.epoch, state.entry_seq, state.removal_seq)
             return index
         if state.removal_seq > scope.removal_seq:
             gone = [r[0] for r in c.execute("SELECT id FROM removals WHERE tenant = %s AND compat_key = %s AND seq > %s",
@@ -904,18 +816,7 @@ class SharedStore:
         with self._tx() as c:
             where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
             layouts = [(str(i), json.loads(lay)) for i, lay in c.execute(f"SELECT id, layout FROM entries{where} ORDER BY seq", args)]
-        for entry_id, layout in layouts:
-            try:
-                check_blobs(self.remote, layout)  # the shared copy itself, not this replica's cached ranges
-            except FileNotFoundError:
-                if self._drop_missing(entry_id, layout):
-                    report.missing.append(entry_id)
-                continue
-            except CorruptEntryError as exc:
-                if self._quarantine(entry_id, layout, str(exc)):
-                    report.quarantined.append(entry_id)
-                continue
-            report.checked += 1
+        self._check_entries(report, layouts, self.remote)  # the shared copy itself, not this replica's cached ranges
         if tenant is None:
             grace = self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s)
             report.lost, report.orphans_removed = self._sweep(grace, remove_lost=True)

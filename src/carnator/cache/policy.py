@@ -1,0 +1,324 @@
+"""What both cache stores decide the same way: the local bank (:class:`~carnator.cache.bank.CacheBank`, SQLite and a
+directory) and the shared store (:class:`~carnator.cache.shared.SharedStore`, PostgreSQL and fsspec blobs) inherit
+:class:`StorePolicy`: an admission's checks and row, the eviction victims in the policy's order, the single-flight
+wait, a load that quarantines a bad entry or drops one whose blob is gone, and verify's pass over the entries. Each
+store supplies its metadata and blobs through the hooks named below.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CacheError, CorruptEntryError
+from .entry import VIDEO, EntryMeta, VerifyReport
+from .eviction import EvictionPolicy, get_eviction
+from .index import ScopeIndex
+from .metadb import FORMAT_VERSION, Lease, dump_extra
+from .protocol import StoreSpec
+from .store import TENSORS_BLOB, VIDEO_BLOB, BlobStore, blob_key, check_blobs, pack_tensors, read_tensors, sha256
+
+log = logging.getLogger("carnator.cache")
+
+HOST = socket.gethostname()
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: ``configure``'s default: leave the setting as stored.
+UNSET: Any = _Unset()
+
+
+class NoRoom(Exception):
+    """The eviction policy could not free enough room: the admission is rolled back."""
+
+
+@dataclass
+class Scope:
+    """This process's recall index of one ``(tenant, compat_key)`` and how far it has read the store."""
+
+    index: ScopeIndex
+    epoch: str
+    entry_seq: int
+    removal_seq: int
+
+
+class StorePolicy:
+    """The rules both cache stores share. Hooks: ``read_only``, ``_blobs`` (a :class:`BlobStore`), ``_warn_once``,
+    ``_layout(entry_id)``, ``_drop_missing(entry_id, layout)``, ``_quarantine(entry_id, layout, reason)``,
+    ``_take_lease(tenant, exact_key, me, ttl_s)`` and ``_drop_lease(tenant, exact_key, holder)``."""
+
+    read_only: bool
+    _blobs: BlobStore
+
+    def _warn_once(self, key: str, msg: str, *args: object) -> None:
+        raise NotImplementedError
+
+    # -- admission -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _checked(spec: StoreSpec) -> tuple[dict[str, Any], np.ndarray]:
+        """An admission's arguments checked before anything is written: its extras and recall vector."""
+        if not isinstance(spec, StoreSpec):
+            raise TypeError(f"admit takes a StoreSpec, not {type(spec).__name__}")
+        check_scope(spec.tenant, spec.compat_key)
+        if not isinstance(spec.prompt, str):
+            raise TypeError("prompt must be a string")
+        if not finite(spec.steps_saved):
+            raise ValueError(f"steps_saved must be a finite number, got {spec.steps_saved!r}")
+        if VIDEO in spec.tensors:
+            raise ValueError(f"tensor name {VIDEO!r} is reserved for the video: pass it as StoreSpec.video")
+        extra = dict(spec.extra or {})
+        dump_extra(extra)  # fail on unserializable extras before writing anything
+        return extra, as_vector(spec.embedding)
+
+    @staticmethod
+    def _fits(nbytes: int, capacity_bytes: int | None) -> bool:
+        if capacity_bytes is not None and nbytes > capacity_bytes:
+            log.warning("not caching a %d-byte entry: it is larger than the cache's whole capacity of %d bytes", nbytes,
+                        capacity_bytes)
+            return False
+        return True
+
+    @staticmethod
+    def _entry_meta(spec: StoreSpec, entry_id: str, nbytes: int, vec: np.ndarray, extra: dict[str, Any],
+                    now: float) -> EntryMeta:
+        return EntryMeta(
+            id=entry_id, tenant=spec.tenant, compat_key=spec.compat_key, exact_key=spec.exact_key, prompt=spec.prompt,
+            negative_prompt=spec.negative_prompt, seed=None if spec.seed is None else int(spec.seed), created=now,
+            last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
+            content_key=spec.content_key,
+        )
+
+    def _stage(self, blobs: dict[str, bytes], where: str) -> None:
+        try:
+            for key, data in blobs.items():
+                self._blobs.stage(key, data)
+        except OSError as exc:
+            raise CacheError(f"cannot write to {where}: {exc.strerror or exc}") from exc
+
+    def _publish(self, layout: dict[str, Any]) -> None:
+        for key in layout["blobs"]:
+            try:
+                self._blobs.publish(key)
+            except OSError as exc:  # readers publish it; nothing is lost
+                log.debug("could not publish cache blob %s: %s", key, exc)
+
+    # -- single flight -------------------------------------------------------------------------------
+
+    def _take_lease(self, tenant: str, exact_key: str, me: Lease, ttl_s: float) -> bool:
+        raise NotImplementedError
+
+    def _drop_lease(self, tenant: str, exact_key: str, holder: str) -> None:
+        raise NotImplementedError
+
+    def _lease_unavailable(self, exc: Exception) -> None:
+        self._warn_once("lease", "single-flight lease unavailable (%s); generating without it", exc)
+
+    @contextmanager
+    def single_flight(self, tenant: str, exact_key: str, timeout_s: float = 600.0) -> Iterator[bool]:
+        """Hold the right to generate the request ``exact_key`` of ``tenant`` while the block runs (across threads and
+        processes sharing the store): a lease row naming its holder (host, pid) and its expiry (``timeout_s`` from
+        now). A caller that finds the lease held waits until it is released, expires, or its holder's process is gone
+        (on this host), then takes it; the value is True when it waited (look the exact key up again: the holder has
+        probably stored it). After ``timeout_s`` of waiting it enters without the lease (warning). A read-only store,
+        or one whose metadata cannot be written or reached, enters at once (value False)."""
+        if not isinstance(tenant, str) or not tenant or not isinstance(exact_key, str) or not exact_key:
+            raise ValueError("tenant and exact_key must be non-empty strings")
+        if not finite(timeout_s) or timeout_s < 0:
+            raise ValueError(f"timeout_s must be a non-negative number, got {timeout_s!r}")
+        me = Lease(f"{uuid.uuid4().hex[:12]}:{threading.get_ident()}", HOST, os.getpid(), 0.0)
+        deadline = time.monotonic() + timeout_s
+        waited = held = False
+        delay = 0.01
+        if not self.read_only:
+            while True:
+                try:
+                    held = self._take_lease(tenant, exact_key, me, timeout_s)
+                except (CacheError, OSError) as exc:
+                    self._lease_unavailable(exc)
+                    break
+                if held:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("waited %.0f s for another worker generating the same request; generating it too", timeout_s)
+                    break
+                waited = True
+                time.sleep(min(delay, left))
+                delay = min(delay * 1.5, 0.2)
+        try:
+            yield waited
+        finally:
+            if held:
+                try:
+                    self._drop_lease(tenant, exact_key, me.holder)
+                except (CacheError, OSError) as exc:  # it expires by itself
+                    log.debug("could not release a single-flight lease: %s", exc)
+
+    # -- reading and checking ------------------------------------------------------------------------
+
+    def _layout(self, entry_id: str) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
+        raise NotImplementedError
+
+    def load(self, entry_id: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """The entry's tensors (all, or only ``names``; :data:`~carnator.cache.VIDEO` for its video), or None if it is
+        gone or fails a check.
+
+        Every tensor read is checked against its sha256. A tensor that fails, or a blob that cannot be read, gets
+        the entry quarantined (its blobs moved to ``quarantine/``, its row deleted) with a warning; a blob that is
+        gone drops the entry. Raises ``KeyError`` if ``names`` asks for tensors the entry lacks
+        (:attr:`EntryMeta.tensor_names` lists them).
+        """
+        if isinstance(names, str):
+            raise TypeError("names must be a collection of tensor names, not one string")
+        layout = self._layout(entry_id)
+        if layout is None:
+            return None
+        available = layout["tensors"]
+        wanted = list(available) if names is None else list(names)
+        missing = [n for n in wanted if n not in available]
+        if missing:
+            raise KeyError(f"cache entry {entry_id} has no tensors named {missing}; it has {sorted(available)}")
+        try:
+            return read_tensors(self._blobs, layout, wanted)
+        except FileNotFoundError:
+            self._drop_missing(entry_id, layout)
+        except CorruptEntryError as exc:
+            self._quarantine(entry_id, layout, str(exc))
+        return None
+
+    def _check_entries(self, report: VerifyReport, layouts: list[tuple[str, dict[str, Any]]], blobs: BlobStore) -> None:
+        """Verify's pass: read every blob of these entries whole from ``blobs`` and check it; quarantine bad ones,
+        drop entries whose blob is gone; counted in ``report``."""
+        for entry_id, layout in layouts:
+            try:
+                check_blobs(blobs, layout)
+            except FileNotFoundError:
+                if self._drop_missing(entry_id, layout):
+                    report.missing.append(entry_id)
+                continue
+            except CorruptEntryError as exc:
+                if self._quarantine(entry_id, layout, str(exc)):
+                    report.quarantined.append(entry_id)
+                continue
+            report.checked += 1
+
+
+def choose_victims(entries: list[EntryMeta], need: int, eviction: str) -> tuple[list[str], bool]:
+    """Ids to evict from ``entries`` to free ``need`` bytes, in the eviction policy's order, and whether they free
+    enough."""
+    if need <= 0:
+        return [], True
+    candidates = {e.id: e for e in entries}
+    chosen: list[str] = []
+    freed = 0
+    for victim in get_eviction(eviction).victims(list(candidates.values()), need):
+        entry = candidates.pop(victim, None)
+        if entry is None:
+            continue
+        chosen.append(victim)
+        freed += entry.nbytes
+        if freed >= need:
+            return chosen, True
+    return chosen, False
+
+
+def pack(entry_id: str, tensors: Any, video: Any) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """An entry's blobs (key -> bytes) and its layout (what the row records of them)."""
+    blobs: dict[str, bytes] = {}
+    layout: dict[str, Any] = {"blobs": {}, "tensors": {}}
+    parts: list[tuple[str, Any]] = [(TENSORS_BLOB, tensors)]
+    if video is not None:
+        if isinstance(video, np.ndarray):
+            video_t = torch.from_numpy(np.ascontiguousarray(video))
+        elif isinstance(video, torch.Tensor):
+            video_t = video
+        else:
+            raise TypeError(f"video must be a numpy array (uint8, T x H x W x 3), not {type(video).__name__}")
+        parts.append((VIDEO_BLOB, {VIDEO: video_t}))
+    for kind, group in parts:
+        key = blob_key(entry_id, kind)
+        data, index = pack_tensors(group, {"carnator_cache_format": str(FORMAT_VERSION), "entry_id": entry_id})
+        blobs[key] = data
+        layout["blobs"][key] = {"nbytes": len(data), "sha256": sha256(data)}
+        for name, spec in index.items():
+            layout["tensors"][name] = {"blob": key, **spec}
+    return blobs, layout
+
+
+def policy_name(eviction: str | EvictionPolicy) -> str:
+    policy = get_eviction(eviction)  # CacheError for an unknown name
+    name = type(policy).name
+    if not name or get_eviction(name).__class__ is not type(policy):
+        raise CacheError(
+            f"eviction policy {type(policy).__name__} is not registered; the cache stores its policy by name, so "
+            "register it with @register_eviction(name)"
+        )
+    return name
+
+
+def dim_message(tenant: str, compat_key: str, dim: int, got: int) -> str:
+    return (
+        f"cache scope (tenant {tenant!r}, compat key {compat_key[:12]}) holds {dim}-d recall embeddings, not {got}-d: "
+        "entries of another embedder need a compat key that names it (keys.compat_key(..., extra=...)) or another cache"
+    )
+
+
+def as_vector(embedding: Any) -> np.ndarray:
+    if isinstance(embedding, torch.Tensor):
+        embedding = embedding.detach().to("cpu", torch.float32).numpy()
+    vec = np.asarray(embedding, dtype=np.float32).reshape(-1)
+    if vec.size == 0 or not np.all(np.isfinite(vec)):
+        raise ValueError("embedding must be a non-empty vector of finite numbers")
+    return vec.copy()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def check_scope(tenant: str, compat_key: str) -> None:
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError("tenant must be a non-empty string")
+    if not isinstance(compat_key, str) or not compat_key:
+        raise ValueError("compat_key must be a non-empty string")
+
+
+def finite(x: object) -> bool:
+    try:
+        return not isinstance(x, bool) and math.isfinite(float(x))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
