@@ -113,10 +113,10 @@ def test_one_eviction_policy_for_the_whole_store(two, tmp_path):
     b.admit(_spec([0, 1], prompt="new"))
     assert {e.id for e in a.entries()} == {low, high} | {e.id for e in a.entries() if e.prompt == "new"}
     with a._tx() as c:  # the kept byte total is the rows' sum
-        assert a._total_bytes(c) == a.stats().bytes == 3 * size
+        assert a._db.total_bytes(c) == a.stats().bytes == 3 * size
     a.clear()
     with a._tx() as c:
-        assert a._total_bytes(c) == 0
+        assert a._db.total_bytes(c) == 0
 
 
 def test_racing_admissions_of_one_exact_request_leave_one_entry(two, tmp_path):

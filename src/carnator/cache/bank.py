@@ -26,6 +26,7 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -303,29 +304,11 @@ class CacheBank(StorePolicy):
             log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
             return None
 
-    def _insert(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        with self._db.write() as conn:
-            for key in layout["blobs"]:
-                if not self._blobs.is_staged(key):
-                    # Orphan cleanup (which runs under the write lock) took it: we stalled past the grace period.
-                    raise CacheError(f"cache blob {key} of a new entry vanished from {self._blobs.directory}")
-            dim = self._db.scope_dim(meta.tenant, meta.compat_key, conn)
-            if dim is not None and dim != meta.embedding.size:
-                raise CacheError(dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
-            settings = self._db.settings(conn)
-            replaced = (self._db.exact_key_ids(conn, meta.tenant, meta.exact_key, meta.compat_key)
-                        if meta.exact_key is not None else [])
-            removed = self._db.delete(conn, replaced)
-            need = self._db.total_bytes(conn) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
-            victims, enough = self._victims(conn, need, settings)
-            if not enough:
-                raise NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
-                              f"{settings.capacity_bytes} bytes")
-            removed += self._db.delete(conn, victims)
-            self._db.insert(conn, meta, layout)
-            self._db.set_scope_dim(conn, meta.tenant, meta.compat_key, meta.embedding.size)
-            _faults.fault_point("before_commit")
-        return removed
+    def _writing(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return self._db.write()
+
+    def _blob_place(self) -> str:
+        return str(self._blobs.directory)
 
     def _victims(self, conn: sqlite3.Connection, need: int, settings: CacheSettings) -> tuple[list[str], bool]:
         """Ids to evict to free ``need`` bytes (in the policy's order), and whether they free enough."""

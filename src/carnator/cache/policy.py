@@ -7,6 +7,7 @@ store supplies its metadata and blobs through the hooks named below.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -23,10 +24,11 @@ import numpy as np
 import torch
 
 from ..errors import CacheError, CorruptEntryError
-from .entry import VIDEO, EntryMeta, VerifyReport
+from . import _faults
+from .entry import VIDEO, CacheSettings, EntryMeta, VerifyReport
 from .eviction import EvictionPolicy, get_eviction
 from .index import ScopeIndex
-from .metadb import FORMAT_VERSION, Lease, dump_extra
+from .metadb import FORMAT_VERSION, Lease, MetaQueries, dump_extra
 from .protocol import StoreSpec
 from .store import TENSORS_BLOB, VIDEO_BLOB, BlobStore, blob_key, check_blobs, pack_tensors, read_tensors, sha256
 
@@ -59,12 +61,14 @@ class Scope:
 
 
 class StorePolicy:
-    """The rules both cache stores share. Hooks: ``read_only``, ``_blobs`` (a :class:`BlobStore`), ``_warn_once``,
+    """The rules both cache stores share. Hooks: ``read_only``, ``_blobs`` (a :class:`BlobStore`), ``_db`` (its
+    :class:`~carnator.cache.metadb.MetaQueries`), ``_writing()``, ``_victims``, ``_blob_place()``, ``_warn_once``,
     ``_layout(entry_id)``, ``_drop_missing(entry_id, layout)``, ``_quarantine(entry_id, layout, reason)``,
     ``_take_lease(tenant, exact_key, me, ttl_s)`` and ``_drop_lease(tenant, exact_key, holder)``."""
 
     read_only: bool
     _blobs: BlobStore
+    _db: MetaQueries
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
         raise NotImplementedError
@@ -104,6 +108,45 @@ class StorePolicy:
             last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
             content_key=spec.content_key,
         )
+
+    def _writing(self) -> contextlib.AbstractContextManager[Any]:
+        """Hook: a write transaction (serialised with every other writer of the store), yielding its connection."""
+        raise NotImplementedError
+
+    def _blob_place(self) -> str:
+        """Hook: where the store's blobs are (for messages)."""
+        raise NotImplementedError
+
+    def _victims(self, conn: Any, need: int, settings: CacheSettings) -> tuple[list[str], bool]:
+        """Hook: ids to evict to free ``need`` bytes (in the policy's order), and whether they free enough."""
+        raise NotImplementedError
+
+    def _insert(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """Commit the row of an entry whose blobs are staged, in one write transaction: the entry of the same exact key
+        is replaced and entries are evicted for room (:class:`NoRoom` when the policy cannot make enough). Returns
+        the entries removed (their blobs are the caller's to delete once the row is committed)."""
+        with self._writing() as conn:
+            for key in layout["blobs"]:
+                if not self._blobs.is_staged(key):
+                    # The orphan sweep (which runs under the writers' lock) took it: we stalled past the grace period.
+                    raise CacheError(f"cache blob {key} of a new entry vanished from {self._blob_place()}")
+            dim = self._db.scope_dim(meta.tenant, meta.compat_key, conn)
+            if dim is not None and dim != meta.embedding.size:
+                raise CacheError(dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
+            settings = self._db.settings(conn)
+            replaced = (self._db.exact_key_ids(conn, meta.tenant, meta.exact_key, meta.compat_key)
+                        if meta.exact_key is not None else [])
+            removed = self._db.delete(conn, replaced)
+            need = self._db.total_bytes(conn) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
+            victims, enough = self._victims(conn, need, settings)
+            if not enough:
+                raise NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
+                             f"{settings.capacity_bytes} bytes")
+            removed += self._db.delete(conn, victims)
+            self._db.insert(conn, meta, layout)
+            self._db.set_scope_dim(conn, meta.tenant, meta.compat_key, meta.embedding.size)
+            _faults.fault_point("before_commit")
+        return removed
 
     def _stage(self, blobs: dict[str, bytes], where: str) -> None:
         try:

@@ -28,6 +28,7 @@ calls (configure, evict, clear, verify, stats) raise :class:`CacheError`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -65,16 +66,11 @@ from .blobfs import FsspecBlobStore, ReadThroughBlobs
 from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import LCBFU, LRU, get_eviction
 from .index import ScopeIndex, resolve_backend
-from .metadb import FORMAT_VERSION, REMOVAL_LOG_KEEP, Lease, SyncState, dump_extra
+from .metadb import FORMAT_VERSION, MetaQueries, Lease, SyncState
 from .protocol import StoreSpec
 from .store import STAGED_SUFFIX
 
 log = logging.getLogger("carnator.cache")
-
-_COLUMNS = (
-    "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
-    "use_count, steps_saved, nbytes, embedding, extra, layout, content_key"
-)
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -153,6 +149,20 @@ def _available(default: Any) -> Callable:
     return deco
 
 
+class PgMeta(MetaQueries):
+    """The metadata queries over PostgreSQL (psycopg's ``%s`` placeholders). The byte total is kept in a ``meta`` row
+    by the writers (summing 10^6 rows per admission is not an option)."""
+
+    placeholder = "%s"
+
+    def total_bytes(self, conn: Any) -> int:
+        return int(conn.execute("SELECT value FROM meta WHERE key = 'total_bytes'").fetchone()[0])
+
+    def _bytes_changed(self, conn: Any, n: int) -> None:
+        if n:
+            conn.execute("UPDATE meta SET value = (value::bigint + %s)::text WHERE key = 'total_bytes'", (int(n),))
+
+
 class SharedStore(StorePolicy):
     """A cache store shared by processes on many hosts; implements :class:`~carnator.cache.CacheStore`.
 
@@ -191,6 +201,7 @@ class SharedStore(StorePolicy):
         self._backend = resolve_backend(index_backend)
         self._lock = threading.RLock()
         self._scopes: dict[tuple[str, str], Scope] = {}
+        self._db = PgMeta()
         self._conn: Any = None
         self._pid = -1
         self._down_until = 0.0
@@ -385,28 +396,18 @@ class SharedStore(StorePolicy):
                 raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
         name = None if eviction is None else policy_name(eviction)
         with self._tx(write=True) as c:
-            new = self._settings(c)
+            new = self._db.settings(c)
             if capacity_bytes is not UNSET:
                 new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
             if name is not None:
                 new = dataclasses.replace(new, eviction=name)
-            self._set_meta(c, "capacity_bytes", "none" if new.capacity_bytes is None else str(int(new.capacity_bytes)))
-            self._set_meta(c, "eviction", new.eviction)
+            self._db.set_settings(c, new)
             removed: list[tuple[str, dict[str, Any]]] = []
             if new.capacity_bytes is not None:
-                victims, _ = self._victims(c, self._total_bytes(c) - new.capacity_bytes, new)
-                removed = self._delete(c, victims)
+                victims, _ = self._victims(c, self._db.total_bytes(c) - new.capacity_bytes, new)
+                removed = self._db.delete(c, victims)
         self._delete_blobs(removed)
         return new
-
-    def _settings(self, c: Any) -> CacheSettings:
-        rows = dict(c.execute("SELECT key, value FROM meta WHERE key IN ('capacity_bytes', 'eviction')").fetchall())
-        cap = rows.get("capacity_bytes")
-        return CacheSettings(capacity_bytes=None if cap in (None, "none") else int(cap), eviction=rows.get("eviction") or "lru")
-
-    @staticmethod
-    def _set_meta(c: Any, key: str, value: str) -> None:
-        c.execute("INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value", (key, value))
 
     # -- writing ----------------------------------------------------------------------------------------
 
@@ -425,8 +426,8 @@ class SharedStore(StorePolicy):
 
     def _admit(self, spec: StoreSpec, vec: np.ndarray, extra: dict[str, Any]) -> str | None:
         with self._tx() as c:
-            dim = self._scope_dim(c, spec.tenant, spec.compat_key)
-            settings = self._settings(c)
+            dim = self._db.scope_dim(spec.tenant, spec.compat_key, c)
+            settings = self._db.settings(c)
         if dim is not None and dim != vec.size:
             raise CacheError(dim_message(spec.tenant, spec.compat_key, dim, vec.size))
         entry_id = uuid.uuid4().hex
@@ -453,38 +454,11 @@ class SharedStore(StorePolicy):
         self._delete_blobs(removed)
         return entry_id
 
-    def _insert(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        with self._tx(write=True) as c:
-            for key in layout["blobs"]:
-                if not self._blobs.is_staged(key):  # the orphan sweep (under this lock) took it: we stalled too long
-                    raise CacheError(f"cache blob {key} of a new entry vanished from {self.blobs_url}")
-            dim = self._scope_dim(c, meta.tenant, meta.compat_key)
-            if dim is not None and dim != meta.embedding.size:
-                raise CacheError(dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
-            settings = self._settings(c)
-            replaced = []
-            if meta.exact_key is not None:
-                replaced = [r[0] for r in c.execute(
-                    "SELECT id FROM entries WHERE tenant = %s AND exact_key = %s AND compat_key = %s",
-                    (meta.tenant, meta.exact_key, meta.compat_key))]
-            removed = self._delete(c, replaced)
-            need = self._total_bytes(c) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
-            victims, enough = self._victims(c, need, settings)
-            if not enough:
-                raise NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
-                              f"{settings.capacity_bytes} bytes")
-            removed += self._delete(c, victims)
-            c.execute(
-                f"INSERT INTO entries ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (meta.id, meta.tenant, meta.compat_key, meta.exact_key, meta.prompt, meta.negative_prompt,
-                 None if meta.seed is None else str(int(meta.seed)), meta.created, meta.last_used, int(meta.use_count),
-                 float(meta.steps_saved), int(meta.nbytes), np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
-                 dump_extra(meta.extra), json.dumps(layout, sort_keys=True, separators=(",", ":")), meta.content_key),
-            )
-            c.execute("INSERT INTO scopes VALUES (%s, %s, %s) ON CONFLICT (tenant, compat_key) DO UPDATE SET dim = EXCLUDED.dim",
-                      (meta.tenant, meta.compat_key, int(meta.embedding.size)))
-            self._add_bytes(c, meta.nbytes)
-        return removed
+    def _writing(self) -> contextlib.AbstractContextManager[Any]:
+        return self._tx(write=True)
+
+    def _blob_place(self) -> str:
+        return self.blobs_url
 
     def _victims(self, c: Any, need: int, settings: CacheSettings) -> tuple[list[str], bool]:
         if need <= 0:
@@ -503,21 +477,7 @@ class SharedStore(StorePolicy):
                     if freed >= need:
                         return chosen, True
                 offset += len(rows)
-        return choose_victims(self._all(c), need, settings.eviction)
-
-    def _delete(self, c: Any, ids: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
-        """Delete rows (inside a write transaction) and log the removals; ``(id, layout)`` of those that existed."""
-        ids = list(ids)
-        if not ids:
-            return []
-        rows = c.execute("DELETE FROM entries WHERE id = ANY(%s) RETURNING id, tenant, compat_key, layout, nbytes",
-                         (ids,)).fetchall()
-        for entry_id, tenant, ck, _, _ in rows:
-            c.execute("INSERT INTO removals (id, tenant, compat_key) VALUES (%s, %s, %s)", (entry_id, tenant, ck))
-        if rows:
-            c.execute("DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - %s", (REMOVAL_LOG_KEEP,))
-            self._add_bytes(c, -sum(int(r[4]) for r in rows))
-        return [(r[0], json.loads(r[3])) for r in rows]
+        return choose_victims(self._db.all(c), need, settings.eviction)
 
     def _discard_staged(self, layout: dict[str, Any]) -> None:
         for key in layout["blobs"]:
@@ -542,13 +502,7 @@ class SharedStore(StorePolicy):
             return False
         try:
             with self._tx(timeout_ms=TOUCH_TIMEOUT_MS) as c:
-                if steps_saved is None:
-                    cur = c.execute("UPDATE entries SET last_used = %s, use_count = use_count + 1 WHERE id = %s",
-                                    (self._clock(), entry_id))
-                else:
-                    cur = c.execute("UPDATE entries SET last_used = %s, use_count = use_count + 1, steps_saved = %s "
-                                    "WHERE id = %s", (self._clock(), float(steps_saved), entry_id))
-                return cur.rowcount > 0
+                return self._db.touch(entry_id, self._clock(), steps_saved, c)
         except StoreUnavailable:
             raise
         except CacheError as exc:
@@ -560,18 +514,14 @@ class SharedStore(StorePolicy):
         if isinstance(entry_ids, str):
             raise TypeError("evict takes a collection of entry ids, not one string")
         with self._tx(write=True) as c:
-            removed = self._delete(c, list(entry_ids))
+            removed = self._db.delete(c, list(entry_ids))
         self._delete_blobs(removed)
         return len(removed)
 
     def clear(self, tenant: str | None = None) -> int:
         """Delete every entry (of ``tenant``); how many were deleted."""
         with self._tx(write=True) as c:
-            where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
-            ids = [r[0] for r in c.execute(f"SELECT id FROM entries{where}", args)]
-            removed = self._delete(c, ids)
-            c.execute(f"DELETE FROM scopes{where}", args)
-            self._set_meta(c, "epoch", secrets.token_hex(8))
+            removed = self._db.delete_all(c, tenant)
         self._delete_blobs(removed)
         return len(removed)
 
@@ -585,7 +535,7 @@ class SharedStore(StorePolicy):
 
     def _drop_lease(self, tenant: str, exact_key: str, holder: str) -> None:
         with self._tx() as c:
-            c.execute("DELETE FROM leases WHERE tenant = %s AND exact_key = %s AND holder = %s", (tenant, exact_key, holder))
+            self._db.drop_lease(c, tenant, exact_key, holder)
 
     def _take_lease(self, tenant: str, exact_key: str, me: Lease, ttl_s: float) -> bool:
         with self._tx() as c:
@@ -611,8 +561,7 @@ class SharedStore(StorePolicy):
 
     def _layout(self, entry_id: str) -> dict[str, Any] | None:
         with self._tx() as c:
-            row = c.execute("SELECT layout FROM entries WHERE id = %s", (entry_id,)).fetchone()
-        return None if row is None else json.loads(row[0])
+            return self._db.layout(entry_id, c)
 
     def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
         if self.read_only:
@@ -620,7 +569,7 @@ class SharedStore(StorePolicy):
             return True
         dests = [d for d in (self._safe(self._blobs.quarantine, k) for k in layout["blobs"]) if d]
         with self._tx(write=True) as c:
-            existed = bool(self._delete(c, [entry_id]))
+            existed = bool(self._db.delete(c, [entry_id]))
         log.warning("cache entry %s is corrupt (%s); %s and dropped it from the cache", entry_id, reason,
                     f"moved its blobs to {', '.join(dests)}" if dests else "its blobs were already gone")
         return existed
@@ -630,7 +579,7 @@ class SharedStore(StorePolicy):
             log.warning("cache entry %s lost a blob; the store is read-only, so its row stays (a miss)", entry_id)
             return True
         with self._tx(write=True) as c:
-            removed = self._delete(c, [entry_id])
+            removed = self._db.delete(c, [entry_id])
         self._delete_blobs(removed)
         if removed:
             log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
@@ -655,7 +604,7 @@ class SharedStore(StorePolicy):
             return []
         query = as_vector(embedding)
         with self._tx(snapshot=True) as c:
-            dim = self._scope_dim(c, tenant, compat_key)
+            dim = self._db.scope_dim(tenant, compat_key, c)
             if dim is None:
                 return []
             if dim != query.size:
@@ -664,11 +613,9 @@ class SharedStore(StorePolicy):
             hits = index.search(query, k)
             if content_key is not None:
                 seen = {h[0] for h in hits}
-                same = [r[0] for r in c.execute(
-                    "SELECT id FROM entries WHERE tenant = %s AND compat_key = %s AND content_key = %s "
-                    "ORDER BY seq DESC LIMIT %s", (tenant, compat_key, content_key, k + len(hits)))]
+                same = self._db.content_ids(c, tenant, compat_key, content_key, k + len(hits))
                 hits += index.score([i for i in same if i not in seen][:k], query)
-            metas = self._get_many(c, [h[0] for h in hits])
+            metas = self._db.get_many(c, [h[0] for h in hits])
         return [(metas[i], score) for i, score in hits if i in metas]
 
     @_available(list)
@@ -679,16 +626,14 @@ class SharedStore(StorePolicy):
         if k <= 0:
             return []
         with self._tx(snapshot=True) as c:
-            ids = [r[0] for r in c.execute(
-                "SELECT id FROM entries WHERE tenant = %s AND compat_key = %s AND content_key = %s "
-                "ORDER BY seq DESC LIMIT %s", (tenant, compat_key, content_key, k))]
-            metas = self._get_many(c, ids)
+            ids = self._db.content_ids(c, tenant, compat_key, content_key, k)
+            metas = self._db.get_many(c, ids)
         return [metas[i] for i in ids if i in metas]
 
     def sync(self, tenant: str, compat_key: str) -> int:
         """Bring this replica's index of one scope up to date now; how many entries it holds (for benchmarks)."""
         with self._tx(snapshot=True) as c:
-            dim = self._scope_dim(c, tenant, compat_key)
+            dim = self._db.scope_dim(tenant, compat_key, c)
             return 0 if dim is None else len(self._scope_index(c, tenant, compat_key, dim))
 
     def _sync_state(self, c: Any) -> SyncState:
@@ -714,8 +659,7 @@ class SharedStore(StorePolicy):
             self._scopes[key] = Scope(index, state.epoch, state.entry_seq, state.removal_seq)
             return index
         if state.removal_seq > scope.removal_seq:
-            gone = [r[0] for r in c.execute("SELECT id FROM removals WHERE tenant = %s AND compat_key = %s AND seq > %s",
-                                            (tenant, compat_key, scope.removal_seq))]
+            gone = self._db.scope_removals(c, tenant, compat_key, scope.removal_seq)
             scope.index.remove(gone)
             scope.removal_seq = state.removal_seq
         if state.entry_seq > scope.entry_seq:
@@ -738,64 +682,28 @@ class SharedStore(StorePolicy):
             index.add([str(i) for i, _ in rows], vecs.astype(np.float32))
         cur.close()
 
-    @staticmethod
-    def _scope_dim(c: Any, tenant: str, compat_key: str) -> int | None:
-        row = c.execute("SELECT dim FROM scopes WHERE tenant = %s AND compat_key = %s", (tenant, compat_key)).fetchone()
-        if row is None:
-            return None
-        if c.execute("SELECT 1 FROM entries WHERE tenant = %s AND compat_key = %s LIMIT 1", (tenant, compat_key)).fetchone() is None:
-            return None
-        return int(row[0])
-
     @_available(None)
     def lookup_exact(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
         """The entry admitted with ``exact_key`` for ``tenant`` (and ``compat_key``, if given), or None."""
         if not isinstance(tenant, str) or not tenant:
             raise ValueError("tenant must be a non-empty string")
-        sql = f"SELECT {_COLUMNS} FROM entries WHERE tenant = %s AND exact_key = %s"
-        args: list[Any] = [tenant, exact_key]
-        if compat_key is not None:
-            sql += " AND compat_key = %s"
-            args.append(compat_key)
         with self._tx() as c:
-            row = c.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
-        return None if row is None else _to_meta(row)
+            return self._db.by_exact_key(tenant, exact_key, compat_key, c)
 
     @_available(None)
     def get(self, entry_id: str) -> EntryMeta | None:
         with self._tx() as c:
-            row = c.execute(f"SELECT {_COLUMNS} FROM entries WHERE id = %s", (entry_id,)).fetchone()
-        return None if row is None else _to_meta(row)
-
-    def _get_many(self, c: Any, ids: list[str]) -> dict[str, EntryMeta]:
-        if not ids:
-            return {}
-        return {m.id: m for m in (_to_meta(r) for r in c.execute(f"SELECT {_COLUMNS} FROM entries WHERE id = ANY(%s)", (ids,)))}
-
-    def _all(self, c: Any, tenant: str | None = None) -> list[EntryMeta]:
-        where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
-        return [_to_meta(r) for r in c.execute(f"SELECT {_COLUMNS} FROM entries{where} ORDER BY seq", args)]
-
-    @staticmethod
-    def _total_bytes(c: Any) -> int:
-        return int(c.execute("SELECT value FROM meta WHERE key = 'total_bytes'").fetchone()[0])
-
-    @staticmethod
-    def _add_bytes(c: Any, n: int) -> None:
-        if n:
-            c.execute("UPDATE meta SET value = (value::bigint + %s)::text WHERE key = 'total_bytes'", (int(n),))
+            return self._db.get(entry_id, c)
 
     def entries(self, tenant: str | None = None) -> list[EntryMeta]:
         """All entries (of ``tenant``), oldest admission first."""
         with self._tx() as c:
-            return self._all(c, tenant)
+            return self._db.all(c, tenant)
 
     def stats(self, tenant: str | None = None) -> BankStats:
-        where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
         with self._tx() as c:
-            per = {str(t): TenantStats(count=int(n), bytes=int(b)) for t, n, b in c.execute(
-                f"SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM entries{where} GROUP BY tenant ORDER BY tenant", args)}
-            settings = self._settings(c)
+            per = {t: TenantStats(count=n, bytes=b) for t, n, b in self._db.per_tenant(tenant, c)}
+            settings = self._db.settings(c)
         return BankStats(count=sum(s.count for s in per.values()), bytes=sum(s.bytes for s in per.values()),
                          capacity_bytes=settings.capacity_bytes, tenants=per, eviction=settings.eviction)
 
@@ -864,18 +772,6 @@ class SharedStore(StorePolicy):
         if removed:
             log.info("removed %d leftover blob(s) from %s", len(removed), self.blobs_url)
         return sorted(lost), sorted(removed)
-
-
-def _to_meta(row: Any) -> EntryMeta:
-    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, lay, content) = row
-    return EntryMeta(
-        id=str(id_), tenant=str(tenant), compat_key=str(ck), exact_key=ek, prompt=str(prompt), negative_prompt=neg,
-        seed=None if seed is None else int(seed), created=float(created), last_used=float(last_used),
-        use_count=int(use_count), steps_saved=float(steps_saved), nbytes=int(nbytes),
-        embedding=np.frombuffer(bytes(emb), dtype="<f4").astype(np.float32),
-        extra=json.loads(extra) if extra else {}, tensor_names=tuple(sorted(json.loads(lay)["tensors"])),
-        content_key=content,
-    )
 
 
 def _redact(url: str) -> str:
