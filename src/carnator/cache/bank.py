@@ -46,7 +46,6 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 
 from ..errors import CacheError
-from . import _faults
 from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import EvictionPolicy
 from .index import ScopeIndex, resolve_backend
@@ -55,18 +54,15 @@ from .metadb import FORMAT_VERSION, Lease, MetaDB, SyncState, count_entries, is_
 from .policy import (
     HOST,
     UNSET,
-    NoRoom,
     Scope,
     StorePolicy,
     as_vector,
     check_scope,
     choose_victims,
     dim_message,
-    pack,
     pid_alive,
     policy_name,
 )
-from .protocol import StoreSpec
 from .store import LocalBlobStore
 
 log = logging.getLogger("carnator.cache")
@@ -249,60 +245,17 @@ class CacheBank(StorePolicy):
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def admit(self, spec: StoreSpec) -> str | None:
-        """Store one completed request; returns its id, or None when it cannot fit the store's capacity (larger than
-        the whole capacity, or the eviction policy freed too little) or the store is read-only: each logged as a
-        WARNING. Raises :class:`CacheError` when it cannot be written (full disk, locked database) or when its
-        embedding's size differs from its scope's (another embedder under the same compatibility key).
+    def _label(self) -> str:
+        return f"at {self.root}"
 
-        An entry with the same ``(tenant, exact_key, compat_key)`` is replaced (the same request stored under another
-        policy's reading is another entry: each policy keeps what it resumes from). When over capacity, entries are evicted in the
-        eviction policy's order until the new one fits. Blobs are durable before the row that makes them an entry is
-        committed.
-        """
-        extra, vec = self._checked(spec)
-        if self.read_only:
-            self._warn_once("admit", "cache at %s is read-only: results are not stored", self.root)
-            return None
-        self._check_dim(spec.tenant, spec.compat_key, vec.size)
-        entry_id = uuid.uuid4().hex
-        blobs, layout = pack(entry_id, spec.tensors, spec.video)
-        nbytes = sum(len(b) for b in blobs.values())
-        if not self._fits(nbytes, self._settings().capacity_bytes):
-            return None
-        meta = self._entry_meta(spec, entry_id, nbytes, vec, extra, self._clock())
-        try:
-            self._stage(blobs, f"cache directory {self.root}")
-            del blobs
-            removed = self._commit(meta, layout)
-        except BaseException:
-            self._discard_staged(layout)
-            raise
-        if removed is None:
-            self._discard_staged(layout)
-            return None
-        _faults.fault_point("after_commit")
-        self._publish(layout)
-        _faults.fault_point("blob_published")
-        self._delete_blobs(removed)
-        return entry_id
-
-    def _discard_staged(self, layout: dict[str, Any]) -> None:
-        for key in layout["blobs"]:
-            try:
-                self._blobs.delete(key)
-            except OSError as exc:  # an orphan: removed after the grace period
-                log.debug("could not delete staged cache blob %s: %s", key, exc)
+    def _blob_words(self) -> str:
+        return f"cache directory {self.root}"
 
     @_guarded
-    def _commit(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]] | None:
-        """Insert the row of a staged entry (evicting for room, replacing its exact key); the removed entries, or None
-        when the eviction policy cannot make room."""
-        try:
-            return self._insert(meta, layout)
-        except NoRoom as exc:
-            log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
-            return None
+    def _scope_state(self, tenant: str, compat_key: str) -> tuple[int | None, CacheSettings]:
+        return self._db.scope_dim(tenant, compat_key), self._db.settings()
+
+    _commit = _guarded(StorePolicy._commit)
 
     def _writing(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         return self._db.write()
@@ -619,12 +572,6 @@ class CacheBank(StorePolicy):
 
     # -- internals: entries ----------------------------------------------------------------------
 
-    @_guarded
-    def _check_dim(self, tenant: str, compat_key: str, size: int) -> None:
-        dim = self._db.scope_dim(tenant, compat_key)
-        if dim is not None and dim != size:
-            raise CacheError(dim_message(tenant, compat_key, dim, size))
-
     def _check_writable(self, what: str) -> None:
         if self.read_only:
             raise CacheError(f"cache at {self.root} is read-only: cannot {what}")
@@ -692,15 +639,6 @@ class CacheBank(StorePolicy):
         if removed:
             log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
         return bool(removed)
-
-    def _delete_blobs(self, removed: Iterable[tuple[str, dict[str, Any]]]) -> None:
-        """Delete the blobs of entries whose rows are gone for good (a failure leaves an orphan, removed later)."""
-        for _, layout in removed:
-            for key in layout["blobs"]:
-                try:
-                    self._blobs.delete(key)
-                except OSError as exc:
-                    log.warning("could not delete cache blob %s: %s", key, exc)
 
     def _entry_ids_on_disk(self) -> set[str]:
         try:

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +68,7 @@ class StorePolicy:
 
     read_only: bool
     _blobs: BlobStore
+    _clock: Callable[[], float]
     _db: MetaQueries
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
@@ -108,6 +109,87 @@ class StorePolicy:
             last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
             content_key=spec.content_key,
         )
+
+    def _label(self) -> str:
+        """Hook: the store in messages ("at DIR", "store URL")."""
+        raise NotImplementedError
+
+    def _blob_words(self) -> str:
+        """Hook: where blobs are written, in messages."""
+        raise NotImplementedError
+
+    def _scope_state(self, tenant: str, compat_key: str) -> tuple[int | None, CacheSettings]:
+        """Hook: the scope's embedding size (None: any) and the store's settings, read before staging."""
+        raise NotImplementedError
+
+    def admit(self, spec: StoreSpec) -> str | None:
+        """Store one completed request; returns its id, or None when it cannot fit the store's capacity (larger than
+        the whole capacity, or the eviction policy freed too little) or the store is read-only: each logged as a
+        WARNING (and for the shared store, when PostgreSQL is unreachable: counted). Raises :class:`CacheError` when
+        it cannot be written (full disk, locked database) or when its embedding's size differs from its scope's
+        (another embedder under the same compatibility key).
+
+        An entry with the same ``(tenant, exact_key, compat_key)`` is replaced (the same request stored under another
+        policy's reading is another entry: each policy keeps what it resumes from). When over capacity, entries are
+        evicted in the eviction policy's order until the new one fits. Blobs are durable before the row that makes
+        them an entry is committed, and published after.
+        """
+        extra, vec = self._checked(spec)
+        if self.read_only:
+            self._warn_once("admit", "cache %s is read-only: results are not stored", self._label())
+            return None
+        return self._admit(spec, vec, extra)
+
+    def _admit(self, spec: StoreSpec, vec: np.ndarray, extra: dict[str, Any]) -> str | None:
+        dim, settings = self._scope_state(spec.tenant, spec.compat_key)
+        if dim is not None and dim != vec.size:
+            raise CacheError(dim_message(spec.tenant, spec.compat_key, dim, vec.size))
+        entry_id = uuid.uuid4().hex
+        blobs, layout = pack(entry_id, spec.tensors, spec.video)
+        nbytes = sum(len(b) for b in blobs.values())
+        if not self._fits(nbytes, settings.capacity_bytes):
+            return None
+        meta = self._entry_meta(spec, entry_id, nbytes, vec, extra, self._clock())
+        try:
+            self._stage(blobs, self._blob_words())
+            del blobs
+            removed = self._commit(meta, layout)
+        except BaseException:
+            self._discard_staged(layout)
+            raise
+        if removed is None:
+            self._discard_staged(layout)
+            return None
+        _faults.fault_point("after_commit")
+        self._publish(layout)
+        _faults.fault_point("blob_published")
+        self._delete_blobs(removed)
+        return entry_id
+
+    def _commit(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]] | None:
+        """Insert the row of a staged entry (:meth:`_insert`); the removed entries, or None when the eviction policy
+        cannot make room."""
+        try:
+            return self._insert(meta, layout)
+        except NoRoom as exc:
+            log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
+            return None
+
+    def _discard_staged(self, layout: dict[str, Any]) -> None:
+        for key in layout["blobs"]:
+            try:
+                self._blobs.delete(key)
+            except OSError as exc:  # an orphan: removed after the grace period
+                log.debug("could not delete staged cache blob %s: %s", key, exc)
+
+    def _delete_blobs(self, removed: Iterable[tuple[str, dict[str, Any]]]) -> None:
+        """Delete the blobs of entries whose rows are gone for good (a failure leaves an orphan, removed later)."""
+        for _, layout in removed:
+            for key in layout["blobs"]:
+                try:
+                    self._blobs.delete(key)
+                except OSError as exc:
+                    log.warning("could not delete cache blob %s: %s", key, exc)
 
     def _writing(self) -> contextlib.AbstractContextManager[Any]:
         """Hook: a write transaction (serialised with every other writer of the store), yielding its connection."""

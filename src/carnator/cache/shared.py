@@ -51,14 +51,12 @@ from ..errors import CacheError
 from .policy import (
     HOST,
     UNSET,
-    NoRoom,
     Scope,
     StorePolicy,
     as_vector,
     check_scope,
     choose_victims,
     dim_message,
-    pack,
     pid_alive,
     policy_name,
 )
@@ -67,7 +65,6 @@ from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyRepor
 from .eviction import LCBFU, LRU, get_eviction
 from .index import ScopeIndex, resolve_backend
 from .metadb import FORMAT_VERSION, MetaQueries, Lease, SyncState
-from .protocol import StoreSpec
 from .store import STAGED_SUFFIX
 
 log = logging.getLogger("carnator.cache")
@@ -411,48 +408,17 @@ class SharedStore(StorePolicy):
 
     # -- writing ----------------------------------------------------------------------------------------
 
-    def admit(self, spec: StoreSpec) -> str | None:
-        """Store one completed request (see :meth:`CacheStore.admit`); None when it cannot fit, the store is read-only,
-        or PostgreSQL is unreachable (then counted in :attr:`unavailable`)."""
-        extra, vec = self._checked(spec)
-        if self.read_only:
-            self._warn_once("admit", "cache store %s is read-only: results are not stored", _redact(self.url))
-            return None
-        try:
-            return self._admit(spec, vec, extra)
-        except StoreUnavailable as exc:
-            self._note_unavailable("admit", exc)
-            return None
+    def _label(self) -> str:
+        return f"store {_redact(self.url)}"
 
-    def _admit(self, spec: StoreSpec, vec: np.ndarray, extra: dict[str, Any]) -> str | None:
+    def _blob_words(self) -> str:
+        return f"blob storage {self.blobs_url}"
+
+    def _scope_state(self, tenant: str, compat_key: str) -> tuple[int | None, CacheSettings]:
         with self._tx() as c:
-            dim = self._db.scope_dim(spec.tenant, spec.compat_key, c)
-            settings = self._db.settings(c)
-        if dim is not None and dim != vec.size:
-            raise CacheError(dim_message(spec.tenant, spec.compat_key, dim, vec.size))
-        entry_id = uuid.uuid4().hex
-        blobs, layout = pack(entry_id, spec.tensors, spec.video)
-        nbytes = sum(len(b) for b in blobs.values())
-        if not self._fits(nbytes, settings.capacity_bytes):
-            return None
-        meta = self._entry_meta(spec, entry_id, nbytes, vec, extra, self._clock())
-        try:
-            self._stage(blobs, f"blob storage {self.blobs_url}")
-            del blobs
-            try:
-                removed = self._insert(meta, layout)
-            except NoRoom as exc:
-                log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
-                removed = None
-        except BaseException:
-            self._discard_staged(layout)
-            raise
-        if removed is None:
-            self._discard_staged(layout)
-            return None
-        self._publish(layout)
-        self._delete_blobs(removed)
-        return entry_id
+            return self._db.scope_dim(tenant, compat_key, c), self._db.settings(c)
+
+    _admit = _available(None)(StorePolicy._admit)  # PostgreSQL unreachable: nothing stored (None), counted
 
     def _writing(self) -> contextlib.AbstractContextManager[Any]:
         return self._tx(write=True)
@@ -478,21 +444,6 @@ class SharedStore(StorePolicy):
                         return chosen, True
                 offset += len(rows)
         return choose_victims(self._db.all(c), need, settings.eviction)
-
-    def _discard_staged(self, layout: dict[str, Any]) -> None:
-        for key in layout["blobs"]:
-            try:
-                self._blobs.delete(key)
-            except OSError as exc:  # an orphan: swept after the grace period
-                log.debug("could not delete staged cache blob %s: %s", key, exc)
-
-    def _delete_blobs(self, removed: Iterable[tuple[str, dict[str, Any]]]) -> None:
-        for _, layout in removed:
-            for key in layout["blobs"]:
-                try:
-                    self._blobs.delete(key)
-                except OSError as exc:  # an orphan: swept after the grace period
-                    log.warning("could not delete cache blob %s: %s", key, exc)
 
     @_available(False)
     def touch(self, entry_id: str, *, steps_saved: float | None = None) -> bool:
