@@ -40,6 +40,7 @@ import numpy as np
 
 from ..errors import CacheError
 from .entry import CacheSettings, EntryMeta
+from .schema import migrate
 
 #: Version of the on-disk layout (``VERSION`` marker, schema, blob naming). Bump on incompatible change.
 #: 1: one tensor file per entry, one checksum per file. 2: tensors and video in separate blobs, a checksum per
@@ -48,58 +49,10 @@ FORMAT_VERSION = 2
 #: How many removals the log keeps; an index further behind than this rebuilds from scratch.
 REMOVAL_LOG_KEEP = 4096
 
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    """CREATE TABLE IF NOT EXISTS entries (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        id TEXT NOT NULL UNIQUE,
-        tenant TEXT NOT NULL,
-        compat_key TEXT NOT NULL,
-        exact_key TEXT,
-        prompt TEXT NOT NULL,
-        negative_prompt TEXT,
-        seed TEXT,
-        created REAL NOT NULL,
-        last_used REAL NOT NULL,
-        use_count INTEGER NOT NULL DEFAULT 0,
-        steps_saved REAL NOT NULL DEFAULT 0,
-        nbytes INTEGER NOT NULL,
-        embedding BLOB NOT NULL,
-        extra TEXT NOT NULL DEFAULT '{}',
-        layout TEXT NOT NULL,
-        content_key TEXT
-    )""",
-    "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
-    "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
-    """CREATE TABLE IF NOT EXISTS scopes (
-        tenant TEXT NOT NULL,
-        compat_key TEXT NOT NULL,
-        dim INTEGER NOT NULL,
-        PRIMARY KEY (tenant, compat_key)
-    )""",
-    """CREATE TABLE IF NOT EXISTS removals (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        id TEXT NOT NULL,
-        tenant TEXT NOT NULL,
-        compat_key TEXT NOT NULL
-    )""",
-    """CREATE TABLE IF NOT EXISTS leases (
-        tenant TEXT NOT NULL,
-        exact_key TEXT NOT NULL,
-        holder TEXT NOT NULL,
-        host TEXT NOT NULL,
-        pid INTEGER NOT NULL,
-        expires REAL NOT NULL,
-        PRIMARY KEY (tenant, exact_key)
-    )""",
-)
-
 _COLUMNS = (
     "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
     "use_count, steps_saved, nbytes, embedding, extra, layout, content_key"
 )
-#: Added to format 2 after its release (an older database gains it when first opened writable): the content key.
-_CONTENT_INDEX = "CREATE INDEX IF NOT EXISTS entries_content ON entries (tenant, compat_key, content_key, seq)"
 
 _CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
@@ -492,16 +445,14 @@ class MetaDB(MetaQueries):
     def _init_schema(self, conn: sqlite3.Connection) -> str:
         conn.execute("BEGIN IMMEDIATE")
         try:
+            found = None
             if _has_table(conn, "meta"):  # another format's database is left exactly as it is
                 version = self.get_meta("format_version", conn)
                 if version != str(FORMAT_VERSION):
                     conn.execute("ROLLBACK")
                     return str(version)
-            for stmt in _SCHEMA:
-                conn.execute(stmt)
-            if not _has_column(conn, "entries", "content_key"):
-                conn.execute("ALTER TABLE entries ADD COLUMN content_key TEXT")
-            conn.execute(_CONTENT_INDEX)
+                found = self.get_meta("schema_version", conn)
+            migrate(conn.execute, "sqlite", found)
             conn.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('format_version', ?)", (str(FORMAT_VERSION),)
             )

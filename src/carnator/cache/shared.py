@@ -65,45 +65,10 @@ from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyRepor
 from .eviction import LCBFU, LRU, get_eviction
 from .index import ScopeIndex, resolve_backend
 from .metadb import FORMAT_VERSION, MetaQueries, Lease, SyncState
+from .schema import migrate
 from .store import STAGED_SUFFIX
 
 log = logging.getLogger("carnator.cache")
-
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    """CREATE TABLE IF NOT EXISTS entries (
-        seq BIGSERIAL PRIMARY KEY,
-        id TEXT NOT NULL UNIQUE,
-        tenant TEXT NOT NULL,
-        compat_key TEXT NOT NULL,
-        exact_key TEXT,
-        prompt TEXT NOT NULL,
-        negative_prompt TEXT,
-        seed TEXT,
-        created DOUBLE PRECISION NOT NULL,
-        last_used DOUBLE PRECISION NOT NULL,
-        use_count BIGINT NOT NULL DEFAULT 0,
-        steps_saved DOUBLE PRECISION NOT NULL DEFAULT 0,
-        nbytes BIGINT NOT NULL,
-        embedding BYTEA NOT NULL,
-        extra TEXT NOT NULL DEFAULT '{}',
-        layout TEXT NOT NULL,
-        content_key TEXT
-    )""",
-    # content_key joined format 2 after its release: an older store gains it when first opened writable
-    "ALTER TABLE entries ADD COLUMN IF NOT EXISTS content_key TEXT",
-    "CREATE INDEX IF NOT EXISTS entries_content ON entries (tenant, compat_key, content_key, seq)",
-    "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
-    "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
-    """CREATE TABLE IF NOT EXISTS scopes (
-        tenant TEXT NOT NULL, compat_key TEXT NOT NULL, dim INTEGER NOT NULL, PRIMARY KEY (tenant, compat_key))""",
-    """CREATE TABLE IF NOT EXISTS removals (
-        seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, tenant TEXT NOT NULL, compat_key TEXT NOT NULL)""",
-    "CREATE INDEX IF NOT EXISTS removals_scope ON removals (tenant, compat_key, seq)",
-    """CREATE TABLE IF NOT EXISTS leases (
-        tenant TEXT NOT NULL, exact_key TEXT NOT NULL, holder TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
-        expires DOUBLE PRECISION NOT NULL, PRIMARY KEY (tenant, exact_key))""",
-)
 
 #: The built-in eviction policies' order (``eviction.LRU`` / ``LCBFU`` sort keys) in SQL.
 _SQL_ORDER = {"lru": 'last_used, created, id COLLATE "C"',
@@ -263,8 +228,10 @@ class SharedStore(StorePolicy):
                     conn.execute(f"CREATE SCHEMA IF NOT EXISTS {self.schema}")
                 conn.execute(f"SET search_path TO {self.schema}")
                 if not self.read_only:
-                    for stmt in _SCHEMA:
-                        conn.execute(stmt)
+                    found = None
+                    if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is not None:
+                        found = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                    migrate(conn.execute, "postgresql", found[0] if found else None)
                     conn.execute("INSERT INTO meta VALUES ('format_version', %s) ON CONFLICT DO NOTHING", (str(FORMAT_VERSION),))
                     conn.execute("INSERT INTO meta VALUES ('epoch', %s) ON CONFLICT DO NOTHING", (secrets.token_hex(8),))
                     # the sum of every entry's bytes, kept by the writers (a sum over 10^6 rows per admission is not)
