@@ -52,7 +52,6 @@ from .index import ScopeIndex, resolve_backend
 from .journal import JOURNAL_FILE, RecoveryJournal
 from .metadb import FORMAT_VERSION, Lease, MetaDB, SyncState, count_entries, is_corruption
 from .policy import (
-    HOST,
     UNSET,
     Scope,
     StorePolicy,
@@ -60,7 +59,7 @@ from .policy import (
     check_scope,
     choose_victims,
     dim_message,
-    pid_alive,
+    lease_held,
     policy_name,
 )
 from .store import LocalBlobStore
@@ -315,7 +314,7 @@ class CacheBank(StorePolicy):
         with self._db.write() as conn:
             cur = self._db.lease(conn, tenant, exact_key)
             now = time.time()
-            if cur is not None and cur.expires > now and not (cur.host == HOST and not pid_alive(cur.pid)):
+            if lease_held(cur, now):
                 return False
             if cur is not None:
                 log.debug("taking over the lease of %s from %s (pid %d, %s)", exact_key, cur.holder, cur.pid,

@@ -351,6 +351,11 @@ class StorePolicy:
             report.checked += 1
 
 
+def lease_held(lease: Lease | None, now: float) -> bool:
+    """Whether ``lease`` still holds: unexpired, and its holder alive when it runs on this host."""
+    return lease is not None and lease.expires > now and not (lease.host == HOST and not pid_alive(lease.pid))
+
+
 def choose_victims(entries: list[EntryMeta], need: int, eviction: str) -> tuple[list[str], bool]:
     """Ids to evict from ``entries`` to free ``need`` bytes, in the eviction policy's order, and whether they free
     enough."""

@@ -48,18 +48,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheError
-from .policy import (
-    HOST,
-    UNSET,
-    Scope,
-    StorePolicy,
-    as_vector,
-    check_scope,
-    choose_victims,
-    dim_message,
-    pid_alive,
-    policy_name,
-)
+from . import policy
+from .policy import UNSET, Scope, StorePolicy
 from .blobfs import FsspecBlobStore, ReadThroughBlobs
 from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import LCBFU, LRU, get_eviction
@@ -358,7 +348,7 @@ class SharedStore(StorePolicy):
         if capacity_bytes is not UNSET and capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
                 raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
-        name = None if eviction is None else policy_name(eviction)
+        name = None if eviction is None else policy.policy_name(eviction)
         with self._tx(write=True) as c:
             new = self._db.settings(c)
             if capacity_bytes is not UNSET:
@@ -410,7 +400,7 @@ class SharedStore(StorePolicy):
                     if freed >= need:
                         return chosen, True
                 offset += len(rows)
-        return choose_victims(self._db.all(c), need, settings.eviction)
+        return policy.choose_victims(self._db.all(c), need, settings.eviction)
 
     @_available(False)
     def touch(self, entry_id: str, *, steps_saved: float | None = None) -> bool:
@@ -462,7 +452,7 @@ class SharedStore(StorePolicy):
             now = time.time()
             if row is not None:
                 cur = Lease(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
-                if cur.expires > now and not (cur.host == HOST and not pid_alive(cur.pid)):
+                if policy.lease_held(cur, now):
                     return False
             # ON CONFLICT: another replica inserted the first lease at the same moment; the row lock decides
             got = c.execute(
@@ -517,16 +507,16 @@ class SharedStore(StorePolicy):
         """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, best first (ties: older
         first); with ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best
         first. This replica's index is first brought up to date with PostgreSQL."""
-        check_scope(tenant, compat_key)
+        policy.check_scope(tenant, compat_key)
         if k <= 0:
             return []
-        query = as_vector(embedding)
+        query = policy.as_vector(embedding)
         with self._tx(snapshot=True) as c:
             dim = self._db.scope_dim(tenant, compat_key, c)
             if dim is None:
                 return []
             if dim != query.size:
-                raise CacheError(dim_message(tenant, compat_key, dim, query.size))
+                raise CacheError(policy.dim_message(tenant, compat_key, dim, query.size))
             index = self._scope_index(c, tenant, compat_key, dim)
             hits = index.search(query, k)
             if content_key is not None:
@@ -540,7 +530,7 @@ class SharedStore(StorePolicy):
     def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
         """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first (read from
         PostgreSQL; no index sync: no embedding is searched)."""
-        check_scope(tenant, compat_key)
+        policy.check_scope(tenant, compat_key)
         if k <= 0:
             return []
         with self._tx(snapshot=True) as c:
