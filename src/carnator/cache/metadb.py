@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import sqlite3
-import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tenacity
 
 from ..errors import CacheError
 from .entry import CacheSettings, EntryMeta
@@ -400,23 +400,22 @@ class MetaDB(MetaQueries):
         opening a fresh cache together get "database is locked" at once. So read the mode first (no lock
         once the file is WAL) and retry the conversion with backoff within ``busy_timeout_s``.
         """
-        deadline = time.monotonic() + self.busy_timeout_s
-        delay = 0.005
-        while True:
+        def convert() -> str:
             mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
-            if mode == "wal":
-                return
-            try:
-                mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-            if mode == "wal":
-                return
-            if time.monotonic() >= deadline:
-                raise CacheError(f"cache database {self.path} cannot use WAL mode (got {mode!r}; another process holds it)")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            if mode != "wal":
+                try:
+                    mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) and "busy" not in str(exc):
+                        raise
+            return mode
+
+        mode = tenacity.Retrying(
+            retry=tenacity.retry_if_result(lambda got: got != "wal"), stop=tenacity.stop_after_delay(self.busy_timeout_s),
+            wait=tenacity.wait_exponential(multiplier=0.005, max=0.2),
+            retry_error_callback=lambda state: state.outcome.result())(convert)
+        if mode != "wal":
+            raise CacheError(f"cache database {self.path} cannot use WAL mode (got {mode!r}; another process holds it)")
 
     def close(self) -> None:
         if self._conn is not None:

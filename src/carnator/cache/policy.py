@@ -13,7 +13,6 @@ import math
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import tenacity
 import torch
 
 from ..errors import CacheError, CorruptEntryError
@@ -268,25 +268,25 @@ class StorePolicy:
         if not finite(timeout_s) or timeout_s < 0:
             raise ValueError(f"timeout_s must be a non-negative number, got {timeout_s!r}")
         me = Lease(f"{uuid.uuid4().hex[:12]}:{threading.get_ident()}", HOST, os.getpid(), 0.0)
-        deadline = time.monotonic() + timeout_s
-        waited = held = False
-        delay = 0.01
+        held = waited = False
         if not self.read_only:
-            while True:
-                try:
-                    held = self._take_lease(tenant, exact_key, me, timeout_s)
-                except (CacheError, OSError) as exc:
-                    self._lease_unavailable(exc)
-                    break
-                if held:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
+            tries = 0
+
+            def take() -> bool:
+                nonlocal tries
+                tries += 1
+                return self._take_lease(tenant, exact_key, me, timeout_s)
+
+            try:  # every 10 ms at first, then 1.5 times longer, at most 200 ms, until timeout_s
+                held = tenacity.Retrying(
+                    retry=tenacity.retry_if_result(lambda got: not got), stop=tenacity.stop_after_delay(timeout_s),
+                    wait=tenacity.wait_exponential(multiplier=0.01, exp_base=1.5, max=0.2),
+                    retry_error_callback=lambda _: False)(take)
+                if not held:
                     log.warning("waited %.0f s for another worker generating the same request; generating it too", timeout_s)
-                    break
-                waited = True
-                time.sleep(min(delay, left))
-                delay = min(delay * 1.5, 0.2)
+            except (CacheError, OSError) as exc:
+                self._lease_unavailable(exc)
+            waited = tries > 1
         try:
             yield waited
         finally:
