@@ -1,4 +1,6 @@
-"""The bank's metadata database: SQLite in WAL mode, safe to share between processes.
+"""The bank's metadata database: SQLite in WAL mode, safe to share between processes; and :class:`MetaQueries`, the
+metadata queries both cache stores run (the shared store's :class:`~carnator.cache.shared.PgMeta` over PostgreSQL).
+The tables themselves are defined once in :mod:`carnator.cache.schema`.
 
 Every process keeps its own connection (reopened after ``fork`` or when ``bank.sqlite`` is replaced
 by another process's recovery). Writers use ``BEGIN IMMEDIATE`` and wait up to ``busy_timeout``
