@@ -47,20 +47,14 @@ import numpy as np
 
 from ..errors import CacheError
 from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
-from .eviction import EvictionPolicy
 from .index import ScopeIndex, resolve_backend
 from .journal import JOURNAL_FILE, RecoveryJournal
 from .metadb import FORMAT_VERSION, Lease, MetaDB, SyncState, count_entries, is_corruption
 from .policy import (
-    UNSET,
     Scope,
     StorePolicy,
-    as_vector,
-    check_scope,
     choose_victims,
-    dim_message,
     lease_held,
-    policy_name,
 )
 from .store import LocalBlobStore
 
@@ -193,54 +187,12 @@ class CacheBank(StorePolicy):
             self._db.close()
             self._scopes.clear()
 
-    def __enter__(self) -> CacheBank:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"CacheBank({str(self.root)!r}{', read_only=True' if self.read_only else ''})"
 
-    @property
-    def index_backend(self) -> str:
-        return self._backend
-
-    @property
-    def bytes_read(self) -> int:
-        """Blob bytes this process read from the bank (as :attr:`SharedStore.bytes_read`; benchmarks compare them)."""
-        return self._blobs.bytes_read
-
     # -- settings --------------------------------------------------------------------------------
 
-    @_guarded
-    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: str | EvictionPolicy | None = None) -> CacheSettings:
-        """Store the cache's capacity (bytes; None: unbounded) and eviction policy (a registered name, or an
-        instance of a registered policy) in its database, for every process that opens it; arguments left out keep
-        their stored value. A lowered capacity evicts down to it at once. Returns the settings now in force."""
-        self._check_writable("configure")
-        if capacity_bytes is not UNSET and capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-                raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
-        name = None if eviction is None else policy_name(eviction)
-        removed: list[tuple[str, dict[str, Any]]] = []
-        with self._db.write() as conn:
-            new = self._db.settings(conn)
-            if capacity_bytes is not UNSET:
-                new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
-            if name is not None:
-                new = dataclasses.replace(new, eviction=name)
-            self._db.set_settings(conn, new)
-            if new.capacity_bytes is not None:
-                need = self._db.total_bytes(conn) - new.capacity_bytes
-                victims, enough = self._victims(conn, need, new)
-                if not enough:
-                    log.warning("eviction policy %s could not bring the cache down to %d bytes", new.eviction, new.capacity_bytes)
-                removed = self._db.delete(conn, victims)
-        self._delete_blobs(removed)
-        if removed:
-            log.info("evicted %d entries to fit the new capacity of %d bytes", len(removed), new.capacity_bytes)
-        return new
+    configure = _guarded(StorePolicy.configure)
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -333,44 +285,11 @@ class CacheBank(StorePolicy):
     def _layout(self, entry_id: str) -> dict[str, Any] | None:
         return self._db.layout(entry_id)
 
-    @_guarded
-    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
-               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
-        """The ``k`` entries of ``(tenant, compat_key)`` most cosine-similar to ``embedding``, best first; with
-        ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best first.
+    recall = _guarded(StorePolicy.recall)
+    same_content = _guarded(StorePolicy.same_content)
 
-        Ties are broken by admission order (older first). Entries of other tenants or compatibility keys are never
-        returned. Raises :class:`CacheError` when ``embedding``'s size differs from the scope's.
-        """
-        check_scope(tenant, compat_key)
-        if k <= 0:
-            return []
-        query = as_vector(embedding)
-        with self._db.read() as conn:
-            dim = self._db.scope_dim(tenant, compat_key, conn)
-            if dim is None:
-                return []
-            if dim != query.size:
-                raise CacheError(dim_message(tenant, compat_key, dim, query.size))
-            index = self._scope_index(conn, tenant, compat_key, dim)
-            hits = index.search(query, k)
-            if content_key is not None:
-                seen = {h[0] for h in hits}
-                same = self._db.content_ids(conn, tenant, compat_key, content_key, k + len(hits))
-                hits += index.score([i for i in same if i not in seen][:k], query)
-            metas = self._db.get_many(conn, [h[0] for h in hits])
-        return [(metas[i], score) for i, score in hits if i in metas]
-
-    @_guarded
-    def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
-        """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first."""
-        check_scope(tenant, compat_key)
-        if k <= 0:
-            return []
-        with self._db.read() as conn:
-            ids = self._db.content_ids(conn, tenant, compat_key, content_key, k)
-            metas = self._db.get_many(conn, ids)
-        return [metas[i] for i in ids if i in metas]
+    def _reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return self._db.read()
 
     @_guarded
     def lookup_exact(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
@@ -407,12 +326,6 @@ class CacheBank(StorePolicy):
     def _settings(self) -> CacheSettings:
         return self._db.settings()
 
-    def __len__(self) -> int:
-        return self.stats().count
-
-    def __contains__(self, entry_id: object) -> bool:
-        return isinstance(entry_id, str) and self.get(entry_id) is not None
-
     # -- maintenance -----------------------------------------------------------------------------
 
     def verify(self, *, tenant: str | None = None, orphan_grace_s: float | None = None) -> VerifyReport:
@@ -422,7 +335,7 @@ class CacheBank(StorePolicy):
         journal), and clean up leftovers of admissions that never committed (staged blobs older than
         ``orphan_grace_s``, default: the bank's). A read-only bank reports without repairing anything."""
         report = VerifyReport(read_only=self.read_only, tenant=tenant)
-        self._check_entries(report, self._layouts(tenant), self._blobs)
+        self._check_entries(report, self._layouts(tenant))
         if tenant is None:
             grace = self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s)
             report.lost, report.orphans_removed = self._sweep_guarded(grace)
@@ -570,15 +483,6 @@ class CacheBank(StorePolicy):
         self._db.open()
 
     # -- internals: entries ----------------------------------------------------------------------
-
-    def _check_writable(self, what: str) -> None:
-        if self.read_only:
-            raise CacheError(f"cache at {self.root} is read-only: cannot {what}")
-
-    def _warn_once(self, key: str, msg: str, *args: object) -> None:
-        level = logging.DEBUG if key in self._warned else logging.WARNING
-        self._warned.add(key)
-        log.log(level, msg, *args)
 
     def _scope_index(self, conn: sqlite3.Connection, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
         """This process's index of one scope, brought up to date with the database snapshot ``conn`` sees."""

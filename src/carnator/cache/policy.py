@@ -8,6 +8,7 @@ store supplies its metadata and blobs through the hooks named below.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -71,8 +72,123 @@ class StorePolicy:
     _clock: Callable[[], float]
     _db: MetaQueries
 
+    _backend: str
+    _warned: set[str]
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+    @property
+    def index_backend(self) -> str:
+        return self._backend
+
+    def __len__(self) -> int:
+        return self.stats().count  # type: ignore[attr-defined]
+
+    def __contains__(self, entry_id: object) -> bool:
+        return isinstance(entry_id, str) and self.get(entry_id) is not None  # type: ignore[attr-defined]
+
+    def _origin(self) -> BlobStore:
+        """Hook: the blobs themselves (the shared storage, not a replica's read-through copy)."""
+        return self._blobs
+
+    @property
+    def bytes_read(self) -> int:
+        """Blob bytes this process read from the store's storage (a replica's read-through hits not counted;
+        benchmarks compare the two stores by it)."""
+        return int(self._origin().bytes_read)  # type: ignore[attr-defined]
+
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
+        level = logging.DEBUG if key in self._warned else logging.WARNING
+        self._warned.add(key)
+        log.log(level, msg, *args)
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise CacheError(f"cache {self._label()} is read-only: cannot {what}")
+
+    # -- settings ------------------------------------------------------------------------------------
+
+    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: str | EvictionPolicy | None = None) -> CacheSettings:
+        """Store the cache's capacity (bytes; None: unbounded) and eviction policy (a registered name, or an
+        instance of a registered policy) in its database, for every process (every replica) that opens it; arguments
+        left out keep their stored value. A lowered capacity evicts down to it at once. Returns the settings now in
+        force."""
+        self._check_writable("configure")
+        if capacity_bytes is not UNSET and capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+                raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
+        name = None if eviction is None else policy_name(eviction)
+        removed: list[tuple[str, dict[str, Any]]] = []
+        with self._writing() as conn:
+            new = self._db.settings(conn)
+            if capacity_bytes is not UNSET:
+                new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
+            if name is not None:
+                new = dataclasses.replace(new, eviction=name)
+            self._db.set_settings(conn, new)
+            if new.capacity_bytes is not None:
+                need = self._db.total_bytes(conn) - new.capacity_bytes
+                victims, enough = self._victims(conn, need, new)
+                if not enough:
+                    log.warning("eviction policy %s could not bring the cache down to %d bytes", new.eviction, new.capacity_bytes)
+                removed = self._db.delete(conn, victims)
+        self._delete_blobs(removed)
+        if removed:
+            log.info("evicted %d entries to fit the new capacity of %d bytes", len(removed), new.capacity_bytes)
+        return new
+
+    # -- recall --------------------------------------------------------------------------------------
+
+    def _reading(self) -> contextlib.AbstractContextManager[Any]:
+        """Hook: a read transaction (one snapshot for every query in it), yielding its connection."""
         raise NotImplementedError
+
+    def _scope_index(self, conn: Any, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
+        """Hook: this process's index of one scope, brought up to date with what ``conn`` sees."""
+        raise NotImplementedError
+
+    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
+               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
+        """The ``k`` entries of ``(tenant, compat_key)`` most cosine-similar to ``embedding``, best first; with
+        ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best first.
+
+        Ties are broken by admission order (older first). Entries of other tenants or compatibility keys are never
+        returned. Raises :class:`CacheError` when ``embedding``'s size differs from the scope's. The process's index
+        is first brought up to date with the store.
+        """
+        check_scope(tenant, compat_key)
+        if k <= 0:
+            return []
+        query = as_vector(embedding)
+        with self._reading() as conn:
+            dim = self._db.scope_dim(tenant, compat_key, conn)
+            if dim is None:
+                return []
+            if dim != query.size:
+                raise CacheError(dim_message(tenant, compat_key, dim, query.size))
+            index = self._scope_index(conn, tenant, compat_key, dim)
+            hits = index.search(query, k)
+            if content_key is not None:
+                seen = {h[0] for h in hits}
+                same = self._db.content_ids(conn, tenant, compat_key, content_key, k + len(hits))
+                hits += index.score([i for i in same if i not in seen][:k], query)
+            metas = self._db.get_many(conn, [h[0] for h in hits])
+        return [(metas[i], score) for i, score in hits if i in metas]
+
+    def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
+        """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first (no index
+        sync: no embedding is searched)."""
+        check_scope(tenant, compat_key)
+        if k <= 0:
+            return []
+        with self._reading() as conn:
+            ids = self._db.content_ids(conn, tenant, compat_key, content_key, k)
+            metas = self._db.get_many(conn, ids)
+        return [metas[i] for i in ids if i in metas]
 
     # -- admission -----------------------------------------------------------------------------------
 
@@ -334,12 +450,12 @@ class StorePolicy:
             self._quarantine(entry_id, layout, str(exc))
         return None
 
-    def _check_entries(self, report: VerifyReport, layouts: list[tuple[str, dict[str, Any]]], blobs: BlobStore) -> None:
-        """Verify's pass: read every blob of these entries whole from ``blobs`` and check it; quarantine bad ones,
+    def _check_entries(self, report: VerifyReport, layouts: list[tuple[str, dict[str, Any]]]) -> None:
+        """Verify's pass: read every blob of these entries whole from :meth:`_origin` and check it; quarantine bad ones,
         drop entries whose blob is gone; counted in ``report``."""
         for entry_id, layout in layouts:
             try:
-                check_blobs(blobs, layout)
+                check_blobs(self._origin(), layout)
             except FileNotFoundError:
                 if self._drop_missing(entry_id, layout):
                     report.missing.append(entry_id)

@@ -29,7 +29,6 @@ calls (configure, evict, clear, verify, stats) raise :class:`CacheError`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -49,7 +48,7 @@ import numpy as np
 
 from ..errors import CacheError
 from . import policy
-from .policy import UNSET, Scope, StorePolicy
+from .policy import Scope, StorePolicy
 from .blobfs import FsspecBlobStore, ReadThroughBlobs
 from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import LCBFU, LRU, get_eviction
@@ -307,11 +306,6 @@ class SharedStore(StorePolicy):
         else:
             log.debug("shared cache store unavailable in %s: %s", what, exc)
 
-    def _warn_once(self, key: str, msg: str, *args: object) -> None:
-        level = logging.DEBUG if key in self._warned else logging.WARNING
-        self._warned.add(key)
-        log.log(level, msg, *args)
-
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -322,46 +316,11 @@ class SharedStore(StorePolicy):
                 self._conn = None
             self._scopes.clear()
 
-    def __enter__(self) -> SharedStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"SharedStore({_redact(self.url)!r}, blobs={self.blobs_url!r})"
 
-    @property
-    def index_backend(self) -> str:
-        return self._backend
-
-    @property
-    def bytes_read(self) -> int:
-        """Bytes this process read from the shared blob storage (local read-through hits not counted)."""
-        return self.remote.bytes_read
-
-    # -- settings --------------------------------------------------------------------------------------
-
-    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: Any = None) -> CacheSettings:
-        """Store the whole store's capacity (bytes; None: unbounded) and eviction policy, for every replica; a lowered
-        capacity evicts down to it at once. Returns the settings now in force."""
-        if capacity_bytes is not UNSET and capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-                raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
-        name = None if eviction is None else policy.policy_name(eviction)
-        with self._tx(write=True) as c:
-            new = self._db.settings(c)
-            if capacity_bytes is not UNSET:
-                new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
-            if name is not None:
-                new = dataclasses.replace(new, eviction=name)
-            self._db.set_settings(c, new)
-            removed: list[tuple[str, dict[str, Any]]] = []
-            if new.capacity_bytes is not None:
-                victims, _ = self._victims(c, self._db.total_bytes(c) - new.capacity_bytes, new)
-                removed = self._db.delete(c, victims)
-        self._delete_blobs(removed)
-        return new
+    def _origin(self) -> FsspecBlobStore:
+        return self.remote
 
     # -- writing ----------------------------------------------------------------------------------------
 
@@ -501,42 +460,11 @@ class SharedStore(StorePolicy):
             log.warning("could not move cache blob %s aside: %s", key, exc)
             return None
 
-    @_available(list)
-    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
-               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
-        """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, best first (ties: older
-        first); with ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best
-        first. This replica's index is first brought up to date with PostgreSQL."""
-        policy.check_scope(tenant, compat_key)
-        if k <= 0:
-            return []
-        query = policy.as_vector(embedding)
-        with self._tx(snapshot=True) as c:
-            dim = self._db.scope_dim(tenant, compat_key, c)
-            if dim is None:
-                return []
-            if dim != query.size:
-                raise CacheError(policy.dim_message(tenant, compat_key, dim, query.size))
-            index = self._scope_index(c, tenant, compat_key, dim)
-            hits = index.search(query, k)
-            if content_key is not None:
-                seen = {h[0] for h in hits}
-                same = self._db.content_ids(c, tenant, compat_key, content_key, k + len(hits))
-                hits += index.score([i for i in same if i not in seen][:k], query)
-            metas = self._db.get_many(c, [h[0] for h in hits])
-        return [(metas[i], score) for i, score in hits if i in metas]
+    recall = _available(list)(StorePolicy.recall)
+    same_content = _available(list)(StorePolicy.same_content)
 
-    @_available(list)
-    def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
-        """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first (read from
-        PostgreSQL; no index sync: no embedding is searched)."""
-        policy.check_scope(tenant, compat_key)
-        if k <= 0:
-            return []
-        with self._tx(snapshot=True) as c:
-            ids = self._db.content_ids(c, tenant, compat_key, content_key, k)
-            metas = self._db.get_many(c, ids)
-        return [metas[i] for i in ids if i in metas]
+    def _reading(self) -> contextlib.AbstractContextManager[Any]:
+        return self._tx(snapshot=True)
 
     def sync(self, tenant: str, compat_key: str) -> int:
         """Bring this replica's index of one scope up to date now; how many entries it holds (for benchmarks)."""
@@ -615,12 +543,6 @@ class SharedStore(StorePolicy):
         return BankStats(count=sum(s.count for s in per.values()), bytes=sum(s.bytes for s in per.values()),
                          capacity_bytes=settings.capacity_bytes, tenants=per, eviction=settings.eviction)
 
-    def __len__(self) -> int:
-        return self.stats().count
-
-    def __contains__(self, entry_id: object) -> bool:
-        return isinstance(entry_id, str) and self.get(entry_id) is not None
-
     # -- maintenance ------------------------------------------------------------------------------------
 
     def verify(self, *, tenant: str | None = None, orphan_grace_s: float | None = None) -> VerifyReport:
@@ -632,7 +554,7 @@ class SharedStore(StorePolicy):
         with self._tx() as c:
             where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
             layouts = [(str(i), json.loads(lay)) for i, lay in c.execute(f"SELECT id, layout FROM entries{where} ORDER BY seq", args)]
-        self._check_entries(report, layouts, self.remote)  # the shared copy itself, not this replica's cached ranges
+        self._check_entries(report, layouts)  # the shared copy itself, not this replica's cached ranges
         if tenant is None:
             grace = self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s)
             report.lost, report.orphans_removed = self._sweep(grace, remove_lost=True)
