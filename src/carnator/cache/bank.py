@@ -49,7 +49,7 @@ from ..errors import CacheError
 from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .index import ScopeIndex, resolve_backend
 from .journal import JOURNAL_FILE, RecoveryJournal
-from .metadb import FORMAT_VERSION, Lease, MetaDB, SyncState, count_entries, is_corruption
+from .metadb import FORMAT_VERSION, Lease, MetaDB, count_entries, is_corruption
 from .policy import (
     Scope,
     StorePolicy,
@@ -484,35 +484,10 @@ class CacheBank(StorePolicy):
 
     # -- internals: entries ----------------------------------------------------------------------
 
-    def _scope_index(self, conn: sqlite3.Connection, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
-        """This process's index of one scope, brought up to date with the database snapshot ``conn`` sees."""
-        state: SyncState = self._db.sync_state(conn)
-        key = (tenant, compat_key)
-        scope = self._scopes.get(key)
-        log_covers = state.oldest_logged_removal is not None and (
-            scope is not None and state.oldest_logged_removal <= scope.removal_seq + 1
-        )
-        if (
-            scope is None
-            or scope.epoch != state.epoch
-            or scope.index.dim != dim
-            or (state.removal_seq > scope.removal_seq and not log_covers)
-        ):
-            index = ScopeIndex(dim, self._backend)
-            rows = self._db.scope_rows(conn, tenant, compat_key)
-            if rows:
-                index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
-            scope = self._scopes[key] = Scope(index, state.epoch, state.entry_seq, state.removal_seq)
-            return index
-        if state.removal_seq > scope.removal_seq:
-            scope.index.remove(self._db.scope_removals(conn, tenant, compat_key, scope.removal_seq))
-            scope.removal_seq = state.removal_seq
-        if state.entry_seq > scope.entry_seq:
-            rows = self._db.scope_rows(conn, tenant, compat_key, scope.entry_seq)
-            if rows:
-                scope.index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
-            scope.entry_seq = state.entry_seq
-        return scope.index
+    def _add_rows(self, conn: sqlite3.Connection, index: ScopeIndex, tenant: str, compat_key: str, after: int) -> None:
+        rows = self._db.scope_rows(conn, tenant, compat_key, after)
+        if rows:
+            index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
 
     @_guarded
     def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:

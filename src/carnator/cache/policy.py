@@ -147,9 +147,34 @@ class StorePolicy:
         """Hook: a read transaction (one snapshot for every query in it), yielding its connection."""
         raise NotImplementedError
 
-    def _scope_index(self, conn: Any, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
-        """Hook: this process's index of one scope, brought up to date with what ``conn`` sees."""
+    _scopes: dict[tuple[str, str], Scope]
+
+    def _add_rows(self, conn: Any, index: ScopeIndex, tenant: str, compat_key: str, after: int) -> None:
+        """Hook: add the scope's rows after sequence ``after`` to ``index``."""
         raise NotImplementedError
+
+    def _scope_index(self, conn: Any, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
+        """This process's index of one scope, brought up to date with the snapshot ``conn`` sees: the entry sequence
+        gives what was added since, the removal log what was removed; a new epoch (``clear``), a changed size or a
+        log that no longer reaches back far enough rebuilds it."""
+        state = self._db.sync_state(conn)
+        key = (tenant, compat_key)
+        scope = self._scopes.get(key)
+        covers = state.oldest_logged_removal is not None and scope is not None and \
+            state.oldest_logged_removal <= scope.removal_seq + 1
+        if (scope is None or scope.epoch != state.epoch or scope.index.dim != dim
+                or (state.removal_seq > scope.removal_seq and not covers)):
+            index = ScopeIndex(dim, self._backend)
+            self._add_rows(conn, index, tenant, compat_key, 0)
+            self._scopes[key] = Scope(index, state.epoch, state.entry_seq, state.removal_seq)
+            return index
+        if state.removal_seq > scope.removal_seq:
+            scope.index.remove(self._db.scope_removals(conn, tenant, compat_key, scope.removal_seq))
+            scope.removal_seq = state.removal_seq
+        if state.entry_seq > scope.entry_seq:
+            self._add_rows(conn, scope.index, tenant, compat_key, scope.entry_seq)
+            scope.entry_seq = state.entry_seq
+        return scope.index
 
     def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
                content_key: str | None = None) -> list[tuple[EntryMeta, float]]:

@@ -109,6 +109,13 @@ class PgMeta(MetaQueries):
     def total_bytes(self, conn: Any) -> int:
         return int(conn.execute("SELECT value FROM meta WHERE key = 'total_bytes'").fetchone()[0])
 
+    def sync_state(self, c: Any) -> SyncState:
+        epoch = c.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
+        eseq = c.execute("SELECT coalesce(max(seq), 0) FROM entries").fetchone()[0]
+        rmin, rmax = c.execute("SELECT min(seq), coalesce(max(seq), 0) FROM removals").fetchone()
+        return SyncState(epoch=epoch[0] if epoch else "", entry_seq=int(eseq), removal_seq=int(rmax),
+                         oldest_logged_removal=None if rmin is None else int(rmin))
+
     def _bytes_changed(self, conn: Any, n: int) -> None:
         if n:
             conn.execute("UPDATE meta SET value = (value::bigint + %s)::text WHERE key = 'total_bytes'", (int(n),))
@@ -471,37 +478,6 @@ class SharedStore(StorePolicy):
         with self._tx(snapshot=True) as c:
             dim = self._db.scope_dim(tenant, compat_key, c)
             return 0 if dim is None else len(self._scope_index(c, tenant, compat_key, dim))
-
-    def _sync_state(self, c: Any) -> SyncState:
-        epoch = c.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
-        eseq = c.execute("SELECT coalesce(max(seq), 0) FROM entries").fetchone()[0]
-        rmin, rmax = c.execute("SELECT min(seq), coalesce(max(seq), 0) FROM removals").fetchone()
-        return SyncState(epoch=epoch[0] if epoch else "", entry_seq=int(eseq), removal_seq=int(rmax),
-                         oldest_logged_removal=None if rmin is None else int(rmin))
-
-    def _scope_index(self, c: Any, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
-        """This replica's index of one scope, brought up to date with the snapshot ``c`` sees (the bank's design: the
-        entry sequence gives what was added since, the removal log what was removed; a new epoch, a changed size or
-        a log that no longer reaches back far enough rebuilds it)."""
-        state = self._sync_state(c)
-        key = (tenant, compat_key)
-        scope = self._scopes.get(key)
-        covers = state.oldest_logged_removal is not None and scope is not None and \
-            state.oldest_logged_removal <= scope.removal_seq + 1
-        if (scope is None or scope.epoch != state.epoch or scope.index.dim != dim
-                or (state.removal_seq > scope.removal_seq and not covers)):
-            index = ScopeIndex(dim, self._backend)
-            self._add_rows(c, index, tenant, compat_key, 0)
-            self._scopes[key] = Scope(index, state.epoch, state.entry_seq, state.removal_seq)
-            return index
-        if state.removal_seq > scope.removal_seq:
-            gone = self._db.scope_removals(c, tenant, compat_key, scope.removal_seq)
-            scope.index.remove(gone)
-            scope.removal_seq = state.removal_seq
-        if state.entry_seq > scope.entry_seq:
-            self._add_rows(c, scope.index, tenant, compat_key, scope.entry_seq)
-            scope.entry_seq = state.entry_seq
-        return scope.index
 
     @staticmethod
     def _add_rows(c: Any, index: ScopeIndex, tenant: str, compat_key: str, after: int, chunk: int = 20000) -> None:
