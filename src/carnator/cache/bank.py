@@ -489,34 +489,8 @@ class CacheBank(StorePolicy):
         if rows:
             index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
 
-    @_guarded
-    def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
-        """Move a bad entry's blobs aside and delete its row; returns whether the row existed. Read-only: only warns."""
-        if self.read_only:
-            log.warning("cache entry %s is corrupt (%s); the cache is read-only, so it stays in place (a miss)", entry_id, reason)
-            return self._db.get(entry_id) is not None
-        dests = [d for d in (self._blobs.quarantine(k) for k in layout["blobs"]) if d]
-        with self._db.write() as conn:
-            existed = bool(self._db.delete(conn, [entry_id]))
-        log.warning(
-            "cache entry %s is corrupt (%s); %s and dropped it from the cache",
-            entry_id, reason, f"moved its blobs to {', '.join(dests)}" if dests else "its blobs were already gone",
-        )
-        return existed
-
-    @_guarded
-    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
-        """Delete the row of an entry whose blob vanished (unless another process already removed it) and its other
-        blobs. Read-only: only warns."""
-        if self.read_only:
-            log.warning("cache entry %s lost a blob; the cache is read-only, so its row stays (a miss)", entry_id)
-            return self._db.get(entry_id) is not None
-        with self._db.write() as conn:
-            removed = self._db.delete(conn, [entry_id])
-        self._delete_blobs(removed)
-        if removed:
-            log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
-        return bool(removed)
+    _quarantine = _guarded(StorePolicy._quarantine)
+    _drop_missing = _guarded(StorePolicy._drop_missing)
 
     def _entry_ids_on_disk(self) -> set[str]:
         try:

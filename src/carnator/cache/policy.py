@@ -442,11 +442,44 @@ class StorePolicy:
     def _layout(self, entry_id: str) -> dict[str, Any] | None:
         raise NotImplementedError
 
-    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
-        raise NotImplementedError
-
     def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
-        raise NotImplementedError
+        """Move a bad entry's blobs aside (``quarantine/``) and delete its row; whether the row existed. Read-only:
+        only warns (the entry stays, a miss)."""
+        if self.read_only:
+            log.warning("cache entry %s is corrupt (%s); the cache is read-only, so it stays in place (a miss)", entry_id,
+                        reason)
+            return self._exists(entry_id)
+        dests = []
+        for key in layout["blobs"]:
+            try:
+                dest = self._blobs.quarantine(key)
+            except OSError as exc:
+                log.warning("could not move cache blob %s aside: %s", key, exc)
+                continue
+            if dest:
+                dests.append(dest)
+        with self._writing() as conn:
+            existed = bool(self._db.delete(conn, [entry_id]))
+        log.warning("cache entry %s is corrupt (%s); %s and dropped it from the cache", entry_id, reason,
+                    f"moved its blobs to {', '.join(dests)}" if dests else "its blobs were already gone")
+        return existed
+
+    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
+        """Delete the row of an entry whose blob vanished (unless another process already removed it) and its other
+        blobs; whether the row existed. Read-only: only warns."""
+        if self.read_only:
+            log.warning("cache entry %s lost a blob; the cache is read-only, so its row stays (a miss)", entry_id)
+            return self._exists(entry_id)
+        with self._writing() as conn:
+            removed = self._db.delete(conn, [entry_id])
+        self._delete_blobs(removed)
+        if removed:
+            log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
+        return bool(removed)
+
+    def _exists(self, entry_id: str) -> bool:
+        with self._reading() as conn:
+            return self._db.get(entry_id, conn) is not None
 
     def load(self, entry_id: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor] | None:
         """The entry's tensors (all, or only ``names``; :data:`~carnator.cache.VIDEO` for its video), or None if it is

@@ -437,28 +437,6 @@ class SharedStore(StorePolicy):
         with self._tx() as c:
             return self._db.layout(entry_id, c)
 
-    def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
-        if self.read_only:
-            log.warning("cache entry %s is corrupt (%s); the store is read-only, so it stays (a miss)", entry_id, reason)
-            return True
-        dests = [d for d in (self._safe(self._blobs.quarantine, k) for k in layout["blobs"]) if d]
-        with self._tx(write=True) as c:
-            existed = bool(self._db.delete(c, [entry_id]))
-        log.warning("cache entry %s is corrupt (%s); %s and dropped it from the cache", entry_id, reason,
-                    f"moved its blobs to {', '.join(dests)}" if dests else "its blobs were already gone")
-        return existed
-
-    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
-        if self.read_only:
-            log.warning("cache entry %s lost a blob; the store is read-only, so its row stays (a miss)", entry_id)
-            return True
-        with self._tx(write=True) as c:
-            removed = self._db.delete(c, [entry_id])
-        self._delete_blobs(removed)
-        if removed:
-            log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
-        return bool(removed)
-
     @staticmethod
     def _safe(fn: Callable[[str], str | None], key: str) -> str | None:
         try:
