@@ -43,3 +43,22 @@ def pg_schema_url(postgres_url):
     """A store URL of a fresh schema (each test its own tables)."""
     sep = "&" if "?" in postgres_url else "?"
     return f"{postgres_url}{sep}schema=t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def private_postgres():
+    """A PostgreSQL cluster of this test's own, which it may stop and start again (``pause()``, ``resume()``: an
+    outage or a restart)."""
+    from carnator.cache.pglocal import LocalPostgres
+    from carnator.errors import CacheError
+
+    try:
+        pg = LocalPostgres().start()
+    except CacheError as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"PostgreSQL is required in CI: {exc}")
+        pytest.skip(f"no PostgreSQL here ({exc})")
+    try:
+        yield pg
+    finally:
+        pg.stop()

@@ -9,6 +9,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -737,3 +738,79 @@ def test_cache_config_cli(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("carnator: error: --capacity: expected a size") or "more than 0" in err[0]
     assert main(["cache", "ls", "--cache-dir", str(root), "--capacity", "1MB"]) == 2
     assert "go with `carnator cache config`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
+def test_a_store_written_by_carnator_72f574c_opens_and_migrates_in_place(db, tmp_path, request):
+    """``tests/stores/cache-72f574c.*``: stores carnator 72f574c's own code wrote (three entries, one under a content
+    key; the bank's capacity set): their metadata dumped as SQL, their blob files (``.blobs``) put back where that
+    version kept them (the shared store's directly under ``--blobs``). This release opens them writable: the schema
+    version is recorded, every entry verifies against the checksums 72f574c recorded and loads, recall and the exact
+    tier find them, the shared store's blobs move into its own directory, and new entries join the old ones."""
+    from carnator.cache.schema import SCHEMA_VERSION
+
+    text = (Path(__file__).parent / "stores" / f"cache-72f574c.{db}.sql").read_text()
+    if db == "sqlite":
+        root = tmp_path / "bank"
+        (root / BLOB_DIR).mkdir(parents=True)
+        (root / QUARANTINE_DIR).mkdir()
+        with sqlite3.connect(root / DB_FILE) as c:
+            c.executescript(text)
+        (root / "VERSION").write_text("carnator-cache 2\n")
+        blob_dir = root / BLOB_DIR
+
+        def open_store():
+            return CacheBank(root)
+
+        def version(s):
+            return s._db.get_meta("schema_version")
+    else:
+        import psycopg
+
+        from carnator.cache.shared import SharedStore, parse_store_url
+
+        url = request.getfixturevalue("pg_schema_url")
+        conninfo, schema = parse_store_url(url)
+        with psycopg.connect(conninfo, autocommit=True) as c:
+            c.execute(f"CREATE SCHEMA {schema}")
+            c.execute(f"SET search_path TO {schema}")
+            for stmt in text.split(";\n"):
+                if stmt.strip():
+                    c.execute(stmt)
+        blob_dir = tmp_path / "blobs"
+        (blob_dir / "quarantine").mkdir(parents=True)
+
+        def open_store():
+            return SharedStore(url, blobs=str(blob_dir))
+
+        def version(s):
+            with s._tx() as c:
+                return s._db.get_meta("schema_version", c)
+
+    for blob in (Path(__file__).parent / "stores" / f"cache-72f574c.{db}.blobs").iterdir():
+        shutil.copyfile(blob, blob_dir / blob.name)  # where 72f574c kept them
+    rows = re.findall(r"'([0-9a-f]{32})',\s*'t',\s*'k',\s*'e(\d)'", text)
+    assert len(rows) == 3
+    ids = {int(i): entry_id for entry_id, i in rows}
+    s = open_store()
+    try:
+        assert version(s) == str(SCHEMA_VERSION) and len(s) == 3
+        assert s.stats().capacity_bytes == (10**7 if db == "sqlite" else None)
+        rep = s.verify(orphan_grace_s=0)
+        assert rep.ok and rep.checked == 3 and rep.lost == [], rep
+        for i, entry_id in ids.items():
+            assert torch.equal(s.load(entry_id, ["traj.2"])["traj.2"], torch.full((64,), float(2 + i)))
+            assert s.lookup_exact("t", f"e{i}").id == entry_id and s.get(entry_id).seed == i
+        assert [m.id for m, _ in s.recall("t", "k", np.array([1.0, 2.0]), k=1)] == [ids[2]]
+        assert [m.id for m in s.same_content("t", "k", "c")] == [ids[1]]
+        if db == "postgresql":
+            assert Path(s.blobs_url).parent == blob_dir and not list(blob_dir.glob("*.safetensors"))
+        new = s.admit(_spec((1.0, 5.0), content_key="c"))
+        assert [m.id for m in s.same_content("t", "k", "c")] == [new, ids[1]] and len(s) == 4
+    finally:
+        s.close()
+    s = open_store()  # opened again: nothing to do
+    try:
+        assert version(s) == str(SCHEMA_VERSION) and len(s) == 4 and s.verify().ok
+    finally:
+        s.close()

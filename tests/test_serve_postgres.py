@@ -61,3 +61,33 @@ def test_serve_keeps_its_jobs_in_postgresql_one_server_per_database_and_recovers
         assert store.counts()["completed"] == 2 and sum(store.counts().values()) == 2
     finally:
         store.close()
+
+
+def test_a_restart_of_postgresql_does_not_let_a_second_server_take_the_job_table(private_postgres, tmp_path):
+    """PostgreSQL restarts under a running server: the server takes its one-server lock again (its workers poll the
+    job table), so a second server started on the same schema afterwards is refused in one line, and the job
+    submitted to the first completes there in one attempt, its video served."""
+    url = f"{private_postgres.url}?schema=served"
+    args = ["--store", url, "--blobs", str(tmp_path / "blobs")]
+    with ServerProcess(tmp_path / "a", args) as a:
+        private_postgres.pause()
+        private_postgres.resume()
+        deadline = time.monotonic() + 30
+        while True:  # the first call after the restart may find the job table's connection broken: 503, then 202
+            r = httpx.post(f"{a.url}/v1/videos", json={"prompt": PROMPT, "seed": 3, "num_inference_steps": 30,
+                                                       "cache": "off"}, timeout=30)
+            if r.status_code == 202 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 202, r.text
+        job = r.json()["id"]
+        second = subprocess.run([sys.executable, "-m", "carnator.cli", "serve", "--port", "0", "--cache-dir",
+                                 str(tmp_path / "b"), *args], capture_output=True, text=True, timeout=120)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert lines[0].startswith(f"carnator: error: another carnator serve (pid {a.pid}) uses the job table"), lines
+        with Client(a.url) as c:
+            finished = c.wait(job, timeout=180)
+            assert finished["status"] == "completed" and finished["attempts"] == 1
+            assert c.content(job)[4:8] == b"ftyp"
+        assert a.stop() == 0

@@ -341,4 +341,30 @@ def test_a_miss_says_what_differs_and_cache_off_says_so(server, http):
         "only with the same steps, frames, size and guidance"), steps["stats"]["reason"]
     off = wait(server, "key-bravo-0001", post(http, B, {**first, "cache": "off"}).json()["id"])
     assert off["stats"]["tier"] == "miss", off["stats"]
-    assert off["stats"]["reason"] == "the cache was off for this request (cache: off): nothing was read from it or stored"
+    assert off["stats"]["reason"] == "the cache was off for this request (cache: off): nothing was read from it", off["stats"]
+
+
+def test_cache_says_what_a_job_reads_and_store_whether_it_writes(server, http):
+    """``"cache": "off"`` reads nothing; ``"store": false`` writes nothing: two such jobs leave no entry (the same
+    request then is a miss), while ``"cache": "off"`` alone runs in full and stores its result (the same request then
+    is an exact hit), as the engine's ``cache``/``store`` and the CLI's ``--cache off``/``--no-store`` do."""
+    key = list(KEYS)[2]
+    body = {"prompt": PROMPT, "seed": 9001, "num_inference_steps": 8}
+
+    def run(extra):
+        r = post(http, C, {**body, **extra})
+        assert r.status_code == 202, r.text
+        done = wait(server, key, r.json()["id"])
+        assert done["status"] == "completed", done
+        return done["stats"]
+
+    for _ in range(2):
+        st = run({"cache": "off", "store": False})
+        assert st["tier"] == "miss" and not st["stored"] and st["entry_id"] is None, st
+    st = run({})
+    assert st["tier"] == "miss" and st["stored"], st  # nothing was written by the two jobs before
+    body["seed"] = 9002
+    st = run({"cache": "off"})
+    assert st["tier"] == "miss" and st["stored"], st
+    assert run({})["tier"] == "exact"
+    assert error_of(post(http, C, {**body, "store": "no"}), 422, "invalid_request")

@@ -247,6 +247,119 @@ def test_postgres_one_server_per_database_and_unreachable_database(pg_schema_url
         PostgresJobStore("postgresql://nobody@127.0.0.1:1/none", tmp_path / "v")
 
 
+def test_postgres_server_lock_is_taken_again_after_a_postgresql_restart(private_postgres, tmp_path):
+    """A restart of PostgreSQL ends the session holding the one-server lock. The server takes it again on its next
+    call, so a second server started afterwards is refused and the first completes its job in one attempt; a server
+    that lost the lock to another (started before it reconnected) refuses every change and says why, and the job is
+    completed once, by the other server."""
+    from carnator.errors import CarnatorError
+    from carnator.service.jobs import JobStoreUnavailable
+    from carnator.service.pgjobs import PostgresJobStore, hold_jobs
+
+    pg, url = private_postgres, f"{private_postgres.url}?schema=served"
+    with hold_jobs(url) as held:
+        a = PostgresJobStore(url, tmp_path / "a", server_lock=held)
+        job, _ = a.submit("t", P)
+        assert a.claim("t", "wa").attempts == 1
+        pg.pause()
+        pg.resume()
+        a.healthy()  # the server's next call (its workers poll every 0.5 s): takes the lock again
+        assert a.healthy() is None
+        with pytest.raises(CarnatorError, match=r"another carnator serve \(pid \d+\) uses the job table"):
+            with hold_jobs(url):
+                pass
+        assert a.finish(job.id, 1, COMPLETED) and a.get("t", job.id).attempts == 1
+
+        second, _ = a.submit("t", P)
+        assert a.claim("t", "wa").id == second.id
+        pg.pause()
+        pg.resume()
+        with hold_jobs(url) as other:  # started before the first server touched the database again
+            b = PostgresJobStore(url, tmp_path / "b", server_lock=other)
+            assert b.recover(3)["requeued"] == [second.id]
+            assert "took this server's job table" in (a.healthy() or "")
+            with pytest.raises(JobStoreUnavailable, match="takes no more jobs"):
+                a.claim("t", "wa")
+            with pytest.raises(JobStoreUnavailable):
+                a.finish(second.id, 1, COMPLETED)
+            assert not a.update_progress(second.id, 1, 50)
+            assert b.claim("t", "wb").attempts == 2 and b.finish(second.id, 2, COMPLETED)
+            assert [h["kind"] for h in b.history(second.id)].count(COMPLETED) == 1
+            b.close()
+        a.close()
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
+def test_a_job_table_written_by_carnator_72f574c_opens_and_migrates_in_place(db, tmp_path, request):
+    """``tests/stores/jobs-72f574c.*.sql``: job tables written by carnator 72f574c's own stores (a completed job with
+    an idempotency key, one left in progress at 40 %, one queued), dumped as SQL; the PostgreSQL one kept no schema
+    version. Opened by this release: the version is recorded, every job reads as it was, the key still replays, and the
+    job left in progress is recovered and completes; opened again, nothing changes."""
+    import sqlite3
+
+    from carnator.service.jobs import SCHEMA_VERSION, TABLE_NAMES
+
+    text = (Path(__file__).parent / "stores" / f"jobs-72f574c.{db}.sql").read_text()
+    meta = TABLE_NAMES[db][2]
+    if db == "sqlite":
+        with sqlite3.connect(tmp_path / "jobs.sqlite") as c:
+            c.executescript(text)
+
+        def open_store():
+            return SqliteJobStore(tmp_path)
+
+        def version():
+            with sqlite3.connect(tmp_path / "jobs.sqlite") as c:
+                return c.execute(f"SELECT value FROM {meta} WHERE key = 'schema'").fetchone()[0]
+    else:
+        import psycopg
+
+        from carnator.cache.shared import parse_store_url
+        from carnator.service.pgjobs import PostgresJobStore
+
+        url = request.getfixturevalue("pg_schema_url")
+        conninfo, schema = parse_store_url(url)
+        with psycopg.connect(conninfo, autocommit=True) as c:
+            c.execute(f"CREATE SCHEMA {schema}")
+            c.execute(f"SET search_path TO {schema}")
+            for stmt in text.split(";\n"):
+                if stmt.strip():
+                    c.execute(stmt)
+
+        def open_store():
+            return PostgresJobStore(url, tmp_path / "videos")
+
+        def version():
+            with psycopg.connect(conninfo) as c:
+                return c.execute(f"SELECT value FROM {schema}.{meta} WHERE key = 'schema'").fetchone()[0]
+
+    s = open_store()
+    try:
+        (done, running), more = s.list("alpha", order="asc")
+        assert not more and version() == str(SCHEMA_VERSION)
+        assert done.status == COMPLETED and done.videos == ["mp4"] and done.stats == {"tier": "miss"}
+        assert done.params == {"prompt": "a red ball", "seed": 1} and done.progress == 100 and done.attempts == 1
+        assert running.status == IN_PROGRESS and running.progress == 40 and running.attempts == 1
+        assert not running.cancel_requested and running.worker == "w0"
+        (queued,), _ = s.list("bravo")
+        assert queued.status == QUEUED and s.queued_tenants() == ["bravo"]
+        again, created = s.submit("alpha", {}, idempotency_key="k1", request_hash="h1")
+        assert not created and again == done
+        assert s.recover(3) == {"requeued": [running.id], "failed": [], "cancelled": []}
+        assert s.claim("alpha", "w1").attempts == 2 and s.finish(running.id, 2, COMPLETED, stats={"tier": "exact"})
+        assert [h["kind"] for h in s.history(running.id)] == ["submitted", "claimed", "requeued", "claimed", COMPLETED]
+        assert s.counts() == {QUEUED: 1, IN_PROGRESS: 0, COMPLETED: 2, FAILED: 0, CANCELLED: 0}
+        fresh, _ = s.submit("alpha", P)
+        assert s.list("alpha")[0][0].id == fresh.id  # new rows follow the old ones
+    finally:
+        s.close()
+    s = open_store()
+    try:
+        assert version() == str(SCHEMA_VERSION) and s.counts()[COMPLETED] == 2
+    finally:
+        s.close()
+
+
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0

@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +103,7 @@ def test_one_eviction_policy_for_the_whole_store(two, tmp_path):
     for i in range(8):
         ids.append((a if i % 2 else b).admit(_spec([1, i], prompt=f"p{i}")))
     assert [e.id for e in a.entries()] == ids[-3:]  # LRU over both replicas' admissions
-    assert _blob_files(tmp_path / "blobs") == _expected_blobs(a)  # no blob of an evicted entry remains
+    assert _blob_files(Path(a.blobs_url)) == _expected_blobs(a)  # no blob of an evicted entry remains
     # LCBFU, decided in SQL, picks what the Python policy picks: the least benefit (steps_saved x uses) first
     b.configure(eviction="lcbfu")
     keep, low, high = ids[-3:]
@@ -111,10 +113,10 @@ def test_one_eviction_policy_for_the_whole_store(two, tmp_path):
     b.admit(_spec([0, 1], prompt="new"))
     assert {e.id for e in a.entries()} == {low, high} | {e.id for e in a.entries() if e.prompt == "new"}
     with a._tx() as c:  # the kept byte total is the rows' sum
-        assert a._total_bytes(c) == a.stats().bytes == 3 * size
+        assert a._db.total_bytes(c) == a.stats().bytes == 3 * size
     a.clear()
     with a._tx() as c:
-        assert a._total_bytes(c) == 0
+        assert a._db.total_bytes(c) == 0
 
 
 def test_racing_admissions_of_one_exact_request_leave_one_entry(two, tmp_path):
@@ -138,15 +140,17 @@ def test_racing_admissions_of_one_exact_request_leave_one_entry(two, tmp_path):
         assert len(rows) == 1 and rows[0].id in got.values()
         assert b.lookup_exact("t", f"same-{round_}").id == rows[0].id
     assert len(a) == 4
-    assert _blob_files(tmp_path / "blobs") == _expected_blobs(a)
+    assert _blob_files(Path(a.blobs_url)) == _expected_blobs(a)
 
 
 def test_orphan_blobs_are_swept_only_after_the_grace_period(two, tmp_path):
     a, _ = two
     keep = a.admit(_spec())
-    root = tmp_path / "blobs"
+    gone = a.admit(_spec((0.0, 1.0), exact_key="gone"))
+    assert a.evict([gone]) == 1
+    root = Path(a.blobs_url)
     staged = root / f".{blob_key('d' * 32, 'tensors')}.part"  # an admission that died before committing its row
-    published = root / blob_key("e" * 32, "video")  # a removed entry whose blob deletion failed
+    published = root / blob_key(gone, "video")  # a removed entry whose blob deletion failed
     staged.write_bytes(b"x")
     published.write_bytes(b"y")
     assert a.sweep() == [] and staged.exists() and published.exists()  # young: an admission may still commit
@@ -157,11 +161,77 @@ def test_orphan_blobs_are_swept_only_after_the_grace_period(two, tmp_path):
     assert _blob_files(root) == _expected_blobs(a) and a.load(keep, [VIDEO]) is not None
 
 
+def _drop_row(url: str, entry_id: str) -> None:
+    """The database loses an entry's row behind the store's back (an operator's DELETE, a restored backup)."""
+    import psycopg
+
+    conninfo, schema = parse_store_url(url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        assert conn.execute(f"DELETE FROM {schema}.entries WHERE id = %s", (entry_id,)).rowcount == 1
+
+
+def test_verify_reports_entries_whose_row_the_database_lost(two, pg_schema_url, tmp_path, capsys):
+    """An entry's row deleted while its blobs remain: ``verify`` names it as lost (the CLI exits 1), removes its
+    blobs, and keeps the other entries; a second ``verify`` is clean."""
+    from carnator.cli import main
+
+    a, _ = two
+    keep, lost = a.admit(_spec()), a.admit(_spec((0.0, 1.0), exact_key="lost"))
+    _drop_row(pg_schema_url, lost)
+    rc = main(["cache", "verify", "--store", pg_schema_url, "--blobs", str(tmp_path / "blobs")])
+    out = capsys.readouterr().out
+    assert rc == 1 and "lost: 1 " in out and lost in out and "\nok\n" not in out, out
+    assert _blob_files(Path(a.blobs_url)) == _expected_blobs(a) == {blob_key(keep, k) for k in ("tensors", "video")}
+    again = a.verify()
+    assert again.ok and again.lost == [] and again.checked == 1 and a.load(keep, [VIDEO]) is not None
+
+
+def test_stores_of_two_schemas_sharing_one_blobs_directory_keep_their_own_blobs(postgres_url, tmp_path):
+    """Two schemas, one ``--blobs``: each store has a directory of its own under it, and ``verify`` of one (no grace
+    period) neither reports nor removes the other's blobs."""
+    sep = "&" if "?" in postgres_url else "?"
+    with SharedStore(f"{postgres_url}{sep}schema=s_{uuid.uuid4().hex[:12]}", blobs=str(tmp_path / "blobs")) as one, \
+            SharedStore(f"{postgres_url}{sep}schema=s_{uuid.uuid4().hex[:12]}", blobs=str(tmp_path / "blobs")) as two:
+        ids = [two.admit(_spec((1.0, float(i)), exact_key=f"e{i}")) for i in range(4)]
+        one.admit(_spec())
+        rep = one.verify(orphan_grace_s=0)
+        assert rep.ok and rep.lost == [] and rep.orphans_removed == [] and rep.checked == 1
+        assert two.verify(orphan_grace_s=0).checked == 4 and all(two.load(i, [VIDEO]) is not None for i in ids)
+        assert _blob_files(Path(two.blobs_url)) == _expected_blobs(two) and len(_expected_blobs(two)) == 8
+        assert Path(one.blobs_url).parent == Path(two.blobs_url).parent == tmp_path / "blobs"
+        assert one.blobs_url != two.blobs_url
+
+
+def test_a_store_whose_blobs_lie_directly_under_blobs_moves_them_into_its_own_directory(pg_schema_url, tmp_path):
+    """A store written before stores had blob directories (its blobs directly under ``--blobs``, no ``blob_dir`` in
+    its meta table): opened writable, its entries' blobs move into its directory, and its entries load; blobs of
+    other stores lying beside them are left where they are."""
+    import psycopg
+
+    root = tmp_path / "blobs"
+    with SharedStore(pg_schema_url, blobs=str(root)) as s:
+        ids = [s.admit(_spec((1.0, float(i)), exact_key=f"e{i}")) for i in range(3)]
+        own = Path(s.blobs_url)
+    for p in own.iterdir():  # the layout of a store made before blob directories
+        if p.is_file():
+            p.rename(root / p.name)
+    shutil.rmtree(own)
+    conninfo, schema = parse_store_url(pg_schema_url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f"DELETE FROM {schema}.meta WHERE key = 'blob_dir'")
+    stranger = root / blob_key("f" * 32, "video")
+    stranger.write_bytes(b"another store's blob")
+    with SharedStore(pg_schema_url, blobs=str(root)) as s:
+        assert Path(s.blobs_url) != root and _blob_files(Path(s.blobs_url)) == _expected_blobs(s)
+        assert all(s.load(i, [VIDEO]) is not None for i in ids)
+        assert s.verify(orphan_grace_s=0).ok and _blob_files(root) == {stranger.name}
+
+
 @pytest.mark.parametrize("damage", ["bit flip", "deleted"])
 def test_damaged_or_missing_blob_is_a_miss_and_quarantined(two, tmp_path, damage, caplog):
     a, b = two
     e = a.admit(_spec(exact_key="e"))
-    path = tmp_path / "blobs" / blob_key(e, "video")
+    path = Path(a.blobs_url) / blob_key(e, "video")
     if damage == "deleted":
         path.unlink()
     else:
@@ -172,9 +242,9 @@ def test_damaged_or_missing_blob_is_a_miss_and_quarantined(two, tmp_path, damage
         assert b.load(e, [VIDEO]) is None  # never the damaged bytes
     assert a.get(e) is None and a.lookup_exact("t", "e") is None  # gone for every replica
     assert ("lost a blob" if damage == "deleted" else "failed its checksum") in caplog.text
-    quarantined = list((tmp_path / "blobs" / "quarantine").iterdir())
+    quarantined = list((Path(a.blobs_url) / "quarantine").iterdir())
     assert (damage == "bit flip") == any(q.name.startswith(blob_key(e, "video")) for q in quarantined)
-    assert _blob_files(tmp_path / "blobs") == set()
+    assert _blob_files(Path(a.blobs_url)) == set()
 
 
 def test_postgresql_down_degrades_to_misses_and_recovers(tmp_path, caplog):

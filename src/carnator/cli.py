@@ -725,8 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fps", type=_int_in(1, 240), default=8, help="frames per second of the output, 1-240 (.gif: 1-50) (default: %(default)s)")
     g.add_argument("--no-store", action="store_true", help="do not add the result to the cache")
     g.add_argument("--cache", choices=("reuse", "exact", "off"), default=None,
-                   help="what the request may take from the cache: reuse (exact hits and approximate reuse), exact (exact "
-                        "hits only) or off (generate; still stored unless --no-store). Default: the policy's (dense: off)")
+                   help="what the request may read from the cache: reuse (exact hits and approximate reuse), exact (exact "
+                        "hits only) or off (nothing: generate in full; still stored unless --no-store). Default: the "
+                        "policy's (dense: off)")
     g.add_argument("--json", action="store_true", help="print every detail as one JSON object instead of the summary line")
     g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="print every detail (timings, discrepancies, notes) under the summary line; carnator's debug logging")

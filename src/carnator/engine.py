@@ -336,9 +336,10 @@ class Carnator:
     ) -> Result:
         """Generate one video; reuse cached work where ``policy`` finds it safe.
 
-        ``cache``: "reuse" (exact hits and approximate reuse), "exact" (exact hits only) or "off" (neither: the request
-        runs as a miss, e.g. to fill a cache); default: the policy's (``dense``: "off"). ``store``: keep the result for
-        later requests. ``decision``: a decision to execute instead of the policy's (a replay). ``progress(done,
+        ``cache`` says what the request may read from the cache: "reuse" (exact hits and approximate reuse), "exact"
+        (exact hits only) or "off" (nothing: the request runs in full as a miss); default: the policy's (``dense``:
+        "off"). ``store`` says whether it writes: keep the result for later requests (default; with ``cache="off"``
+        this fills a cache). ``cache="off", store=False`` touches no cache at all. ``decision``: a decision to execute instead of the policy's (a replay). ``progress(done,
         total)`` after every denoising step; ``cancel()`` before every step (True stops the request with
         :class:`~carnator.errors.Cancelled`, storing nothing); ``events(kind, data)`` at each stage ("decision").
         Returns a :class:`Result` with ``frames`` (uint8, T x H x W x 3) and ``stats``.

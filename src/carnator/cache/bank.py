@@ -26,13 +26,12 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
 import logging
-import math
 import os
-import socket
 import sqlite3
 import stat
 import tempfile
@@ -41,22 +40,23 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
-import torch
 
-from ..errors import CacheError, CorruptEntryError
-from . import _faults
-from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
-from .eviction import EvictionPolicy, get_eviction
+from ..errors import CacheError
+from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .index import ScopeIndex, resolve_backend
 from .journal import JOURNAL_FILE, RecoveryJournal
-from .metadb import FORMAT_VERSION, Lease, MetaDB, SyncState, count_entries, dump_extra, is_corruption
-from .protocol import StoreSpec
-from .store import TENSORS_BLOB, VIDEO_BLOB, LocalBlobStore, blob_key, check_blobs, pack_tensors, read_tensors, sha256
+from .metadb import FORMAT_VERSION, Lease, MetaDB, count_entries, is_corruption
+from .policy import (
+    Scope,
+    StorePolicy,
+    choose_victims,
+    lease_held,
+)
+from .store import LocalBlobStore
 
 log = logging.getLogger("carnator.cache")
 
@@ -70,15 +70,6 @@ TOUCH_BUSY_S = 2.0
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-#: ``configure``'s default: leave the setting as stored.
-UNSET: Any = _Unset()
 
 
 def _guarded(method: Callable[Concatenate[CacheBank, P], R]) -> Callable[Concatenate[CacheBank, P], R]:
@@ -118,19 +109,7 @@ def _sqlite_errors_as_cache_errors(path: Path) -> Iterator[None]:
         raise
 
 
-class _NoRoom(Exception):
-    """Internal: the eviction policy could not free enough room; roll the admission back."""
-
-
-@dataclass
-class _Scope:
-    index: ScopeIndex
-    epoch: str
-    entry_seq: int
-    removal_seq: int
-
-
-class CacheBank:
+class CacheBank(StorePolicy):
     """A directory of cached entries shared by every request (and process) that opens it; implements
     :class:`~carnator.cache.protocol.CacheStore`.
 
@@ -172,7 +151,7 @@ class CacheBank:
         self._clock = clock
         self._backend = resolve_backend(index_backend)
         self._lock = threading.RLock()
-        self._scopes: dict[tuple[str, str], _Scope] = {}
+        self._scopes: dict[tuple[str, str], Scope] = {}
         self._warned: set[str] = set()
         self._closed = False
 
@@ -208,179 +187,36 @@ class CacheBank:
             self._db.close()
             self._scopes.clear()
 
-    def __enter__(self) -> CacheBank:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"CacheBank({str(self.root)!r}{', read_only=True' if self.read_only else ''})"
 
-    @property
-    def index_backend(self) -> str:
-        return self._backend
-
-    @property
-    def bytes_read(self) -> int:
-        """Blob bytes this process read from the bank (as :attr:`SharedStore.bytes_read`; benchmarks compare them)."""
-        return self._blobs.bytes_read
-
     # -- settings --------------------------------------------------------------------------------
 
-    @_guarded
-    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: str | EvictionPolicy | None = None) -> CacheSettings:
-        """Store the cache's capacity (bytes; None: unbounded) and eviction policy (a registered name, or an
-        instance of a registered policy) in its database, for every process that opens it; arguments left out keep
-        their stored value. A lowered capacity evicts down to it at once. Returns the settings now in force."""
-        self._check_writable("configure")
-        if capacity_bytes is not UNSET and capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-                raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
-        name = None if eviction is None else _policy_name(eviction)
-        removed: list[tuple[str, dict[str, Any]]] = []
-        with self._db.write() as conn:
-            new = self._db.settings(conn)
-            if capacity_bytes is not UNSET:
-                new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
-            if name is not None:
-                new = dataclasses.replace(new, eviction=name)
-            self._db.set_settings(conn, new)
-            if new.capacity_bytes is not None:
-                need = self._db.total_bytes(conn) - new.capacity_bytes
-                victims, enough = self._victims(conn, need, new)
-                if not enough:
-                    log.warning("eviction policy %s could not bring the cache down to %d bytes", new.eviction, new.capacity_bytes)
-                removed = self._db.delete(conn, victims)
-        self._delete_blobs(removed)
-        if removed:
-            log.info("evicted %d entries to fit the new capacity of %d bytes", len(removed), new.capacity_bytes)
-        return new
+    configure = _guarded(StorePolicy.configure)
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def admit(self, spec: StoreSpec) -> str | None:
-        """Store one completed request; returns its id, or None when it cannot fit the store's capacity (larger than
-        the whole capacity, or the eviction policy freed too little) or the store is read-only: each logged as a
-        WARNING. Raises :class:`CacheError` when it cannot be written (full disk, locked database) or when its
-        embedding's size differs from its scope's (another embedder under the same compatibility key).
+    def _label(self) -> str:
+        return f"at {self.root}"
 
-        An entry with the same ``(tenant, exact_key, compat_key)`` is replaced (the same request stored under another
-        policy's reading is another entry: each policy keeps what it resumes from). When over capacity, entries are evicted in the
-        eviction policy's order until the new one fits. Blobs are durable before the row that makes them an entry is
-        committed.
-        """
-        if not isinstance(spec, StoreSpec):
-            raise TypeError(f"admit takes a StoreSpec, not {type(spec).__name__}")
-        _check_scope(spec.tenant, spec.compat_key)
-        if not isinstance(spec.prompt, str):
-            raise TypeError("prompt must be a string")
-        if not _finite(spec.steps_saved):
-            raise ValueError(f"steps_saved must be a finite number, got {spec.steps_saved!r}")
-        if VIDEO in spec.tensors:
-            raise ValueError(f"tensor name {VIDEO!r} is reserved for the video: pass it as StoreSpec.video")
-        extra = dict(spec.extra or {})
-        dump_extra(extra)  # fail on unserializable extras before writing anything
-        vec = _as_vector(spec.embedding)
-        if self.read_only:
-            self._warn_once("admit", "cache at %s is read-only: results are not stored", self.root)
-            return None
-        self._check_dim(spec.tenant, spec.compat_key, vec.size)
-        entry_id = uuid.uuid4().hex
-        blobs, layout = _pack(entry_id, spec.tensors, spec.video)
-        nbytes = sum(len(b) for b in blobs.values())
-        cap = self._settings().capacity_bytes
-        if cap is not None and nbytes > cap:
-            log.warning("not caching a %d-byte entry: it is larger than the cache's whole capacity of %d bytes", nbytes, cap)
-            return None
-        now = self._clock()
-        meta = EntryMeta(
-            id=entry_id, tenant=spec.tenant, compat_key=spec.compat_key, exact_key=spec.exact_key, prompt=spec.prompt,
-            negative_prompt=spec.negative_prompt, seed=None if spec.seed is None else int(spec.seed), created=now,
-            last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
-            content_key=spec.content_key,
-        )
-        try:
-            try:
-                for key, data in blobs.items():
-                    self._blobs.stage(key, data)
-            except OSError as exc:
-                raise CacheError(f"cannot write to cache directory {self.root}: {exc.strerror or exc}") from exc
-            del blobs
-            removed = self._commit(meta, layout)
-        except BaseException:
-            self._discard_staged(layout)
-            raise
-        if removed is None:
-            self._discard_staged(layout)
-            return None
-        _faults.fault_point("after_commit")
-        for key in layout["blobs"]:
-            try:
-                self._blobs.publish(key)
-            except OSError as exc:  # readers publish it; nothing is lost
-                log.debug("could not publish cache blob %s: %s", key, exc)
-        _faults.fault_point("blob_published")
-        self._delete_blobs(removed)
-        return entry_id
-
-    def _discard_staged(self, layout: dict[str, Any]) -> None:
-        for key in layout["blobs"]:
-            try:
-                self._blobs.delete(key)
-            except OSError as exc:  # an orphan: removed after the grace period
-                log.debug("could not delete staged cache blob %s: %s", key, exc)
+    def _blob_words(self) -> str:
+        return f"cache directory {self.root}"
 
     @_guarded
-    def _commit(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]] | None:
-        """Insert the row of a staged entry (evicting for room, replacing its exact key); the removed entries, or None
-        when the eviction policy cannot make room."""
-        try:
-            return self._insert(meta, layout)
-        except _NoRoom as exc:
-            log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
-            return None
+    def _scope_state(self, tenant: str, compat_key: str) -> tuple[int | None, CacheSettings]:
+        return self._db.scope_dim(tenant, compat_key), self._db.settings()
 
-    def _insert(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        with self._db.write() as conn:
-            for key in layout["blobs"]:
-                if not self._blobs.is_staged(key):
-                    # Orphan cleanup (which runs under the write lock) took it: we stalled past the grace period.
-                    raise CacheError(f"cache blob {key} of a new entry vanished from {self._blobs.directory}")
-            dim = self._db.scope_dim(meta.tenant, meta.compat_key, conn)
-            if dim is not None and dim != meta.embedding.size:
-                raise CacheError(_dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
-            settings = self._db.settings(conn)
-            replaced = (self._db.exact_key_ids(conn, meta.tenant, meta.exact_key, meta.compat_key)
-                        if meta.exact_key is not None else [])
-            removed = self._db.delete(conn, replaced)
-            need = self._db.total_bytes(conn) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
-            victims, enough = self._victims(conn, need, settings)
-            if not enough:
-                raise _NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
-                              f"{settings.capacity_bytes} bytes")
-            removed += self._db.delete(conn, victims)
-            self._db.insert(conn, meta, layout)
-            self._db.set_scope_dim(conn, meta.tenant, meta.compat_key, meta.embedding.size)
-            _faults.fault_point("before_commit")
-        return removed
+    _commit = _guarded(StorePolicy._commit)
+
+    def _writing(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return self._db.write()
+
+    def _blob_place(self) -> str:
+        return str(self._blobs.directory)
 
     def _victims(self, conn: sqlite3.Connection, need: int, settings: CacheSettings) -> tuple[list[str], bool]:
         """Ids to evict to free ``need`` bytes (in the policy's order), and whether they free enough."""
-        if need <= 0:
-            return [], True
-        candidates = {e.id: e for e in self._db.all(conn)}
-        chosen: list[str] = []
-        freed = 0
-        for victim in get_eviction(settings.eviction).victims(list(candidates.values()), need):
-            entry = candidates.pop(victim, None)
-            if entry is None:
-                continue
-            chosen.append(victim)
-            freed += entry.nbytes
-            if freed >= need:
-                return chosen, True
-        return chosen, False
+        return choose_victims(self._db.all(conn) if need > 0 else [], need, settings.eviction)
 
     def touch(self, entry_id: str, *, steps_saved: float | None = None) -> bool:
         """Record a use: ``last_used = now``, ``use_count += 1`` (and update ``steps_saved`` if given).
@@ -425,53 +261,12 @@ class CacheBank:
         self._delete_blobs(removed)
         return len(removed)
 
-    @contextmanager
-    def single_flight(self, tenant: str, exact_key: str, timeout_s: float = 600.0) -> Iterator[bool]:
-        """Hold the right to generate the request ``exact_key`` of ``tenant`` while the block runs (across threads and
-        processes sharing the directory): a lease row in the database naming its holder (host, pid) and its expiry
-        (``timeout_s`` from now). A caller that finds the lease held waits until it is released, expires, or its
-        holder's process is gone (on this host), then takes it; the value is True when it waited (look the exact key
-        up again: the holder has probably stored it). After ``timeout_s`` of waiting it enters without the lease
-        (warning). A read-only store, or one whose database cannot be written, enters at once (value False)."""
-        if not isinstance(tenant, str) or not tenant or not isinstance(exact_key, str) or not exact_key:
-            raise ValueError("tenant and exact_key must be non-empty strings")
-        if not _finite(timeout_s) or timeout_s < 0:
-            raise ValueError(f"timeout_s must be a non-negative number, got {timeout_s!r}")
-        holder = Lease(f"{uuid.uuid4().hex[:12]}:{threading.get_ident()}", _HOST, os.getpid(), 0.0)
-        deadline = time.monotonic() + timeout_s
-        waited = held = False
-        delay = 0.01
-        if not self.read_only:
-            while True:
-                try:
-                    held = self._take_lease(tenant, exact_key, holder, timeout_s)
-                except (CacheError, OSError) as exc:
-                    self._warn_once("lease", "single-flight lease unavailable (%s); generating without it", exc)
-                    break
-                if held:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.warning("waited %.0f s for another worker generating the same request; generating it too", timeout_s)
-                    break
-                waited = True
-                time.sleep(min(delay, left))
-                delay = min(delay * 1.5, 0.2)
-        try:
-            yield waited
-        finally:
-            if held:
-                try:
-                    self._drop_lease(tenant, exact_key, holder.holder)
-                except (CacheError, OSError) as exc:  # it expires by itself
-                    log.debug("could not release a single-flight lease: %s", exc)
-
     @_guarded
     def _take_lease(self, tenant: str, exact_key: str, me: Lease, ttl_s: float) -> bool:
         with self._db.write() as conn:
             cur = self._db.lease(conn, tenant, exact_key)
             now = time.time()
-            if cur is not None and cur.expires > now and not (cur.host == _HOST and not _pid_alive(cur.pid)):
+            if lease_held(cur, now):
                 return False
             if cur is not None:
                 log.debug("taking over the lease of %s from %s (pid %d, %s)", exact_key, cur.holder, cur.pid,
@@ -486,76 +281,15 @@ class CacheBank:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def load(self, entry_id: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor] | None:
-        """The entry's tensors (all, or only ``names``; :data:`~carnator.cache.VIDEO` for its video), or None if it is
-        gone or fails a check.
-
-        Only the named tensors' bytes are read, each checked against the sha256 recorded for it at admission. A
-        tensor that fails its check, or a blob that cannot be read (a directory, permission denied, I/O error), gets
-        the entry quarantined (its blobs moved to ``quarantine/``, its row deleted) with a warning; a blob that is
-        gone drops the entry. Raises ``KeyError`` if ``names`` asks for tensors the entry lacks
-        (:attr:`EntryMeta.tensor_names` lists them).
-        """
-        if isinstance(names, str):
-            raise TypeError("names must be a collection of tensor names, not one string")
-        layout = self._layout(entry_id)
-        if layout is None:
-            return None
-        available = layout["tensors"]
-        wanted = list(available) if names is None else list(names)
-        missing = [n for n in wanted if n not in available]
-        if missing:
-            raise KeyError(f"cache entry {entry_id} has no tensors named {missing}; it has {sorted(available)}")
-        try:
-            return read_tensors(self._blobs, layout, wanted)
-        except FileNotFoundError:
-            self._drop_missing(entry_id, layout)
-        except CorruptEntryError as exc:
-            self._quarantine(entry_id, layout, str(exc))
-        return None
-
     @_guarded
     def _layout(self, entry_id: str) -> dict[str, Any] | None:
         return self._db.layout(entry_id)
 
-    @_guarded
-    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
-               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
-        """The ``k`` entries of ``(tenant, compat_key)`` most cosine-similar to ``embedding``, best first; with
-        ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best first.
+    recall = _guarded(StorePolicy.recall)
+    same_content = _guarded(StorePolicy.same_content)
 
-        Ties are broken by admission order (older first). Entries of other tenants or compatibility keys are never
-        returned. Raises :class:`CacheError` when ``embedding``'s size differs from the scope's.
-        """
-        _check_scope(tenant, compat_key)
-        if k <= 0:
-            return []
-        query = _as_vector(embedding)
-        with self._db.read() as conn:
-            dim = self._db.scope_dim(tenant, compat_key, conn)
-            if dim is None:
-                return []
-            if dim != query.size:
-                raise CacheError(_dim_message(tenant, compat_key, dim, query.size))
-            index = self._scope_index(conn, tenant, compat_key, dim)
-            hits = index.search(query, k)
-            if content_key is not None:
-                seen = {h[0] for h in hits}
-                same = self._db.content_ids(conn, tenant, compat_key, content_key, k + len(hits))
-                hits += index.score([i for i in same if i not in seen][:k], query)
-            metas = self._db.get_many(conn, [h[0] for h in hits])
-        return [(metas[i], score) for i, score in hits if i in metas]
-
-    @_guarded
-    def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
-        """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first."""
-        _check_scope(tenant, compat_key)
-        if k <= 0:
-            return []
-        with self._db.read() as conn:
-            ids = self._db.content_ids(conn, tenant, compat_key, content_key, k)
-            metas = self._db.get_many(conn, ids)
-        return [metas[i] for i in ids if i in metas]
+    def _reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return self._db.read()
 
     @_guarded
     def lookup_exact(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
@@ -592,12 +326,6 @@ class CacheBank:
     def _settings(self) -> CacheSettings:
         return self._db.settings()
 
-    def __len__(self) -> int:
-        return self.stats().count
-
-    def __contains__(self, entry_id: object) -> bool:
-        return isinstance(entry_id, str) and self.get(entry_id) is not None
-
     # -- maintenance -----------------------------------------------------------------------------
 
     def verify(self, *, tenant: str | None = None, orphan_grace_s: float | None = None) -> VerifyReport:
@@ -607,18 +335,7 @@ class CacheBank:
         journal), and clean up leftovers of admissions that never committed (staged blobs older than
         ``orphan_grace_s``, default: the bank's). A read-only bank reports without repairing anything."""
         report = VerifyReport(read_only=self.read_only, tenant=tenant)
-        for entry_id, layout in self._layouts(tenant):
-            try:
-                check_blobs(self._blobs, layout)
-            except FileNotFoundError:
-                if self._drop_missing(entry_id, layout):
-                    report.missing.append(entry_id)
-                continue
-            except CorruptEntryError as exc:
-                if self._quarantine(entry_id, layout, str(exc)):
-                    report.quarantined.append(entry_id)
-                continue
-            report.checked += 1
+        self._check_entries(report, self._layouts(tenant))
         if tenant is None:
             grace = self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s)
             report.lost, report.orphans_removed = self._sweep_guarded(grace)
@@ -767,88 +484,13 @@ class CacheBank:
 
     # -- internals: entries ----------------------------------------------------------------------
 
-    @_guarded
-    def _check_dim(self, tenant: str, compat_key: str, size: int) -> None:
-        dim = self._db.scope_dim(tenant, compat_key)
-        if dim is not None and dim != size:
-            raise CacheError(_dim_message(tenant, compat_key, dim, size))
+    def _add_rows(self, conn: sqlite3.Connection, index: ScopeIndex, tenant: str, compat_key: str, after: int) -> None:
+        rows = self._db.scope_rows(conn, tenant, compat_key, after)
+        if rows:
+            index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
 
-    def _check_writable(self, what: str) -> None:
-        if self.read_only:
-            raise CacheError(f"cache at {self.root} is read-only: cannot {what}")
-
-    def _warn_once(self, key: str, msg: str, *args: object) -> None:
-        level = logging.DEBUG if key in self._warned else logging.WARNING
-        self._warned.add(key)
-        log.log(level, msg, *args)
-
-    def _scope_index(self, conn: sqlite3.Connection, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
-        """This process's index of one scope, brought up to date with the database snapshot ``conn`` sees."""
-        state: SyncState = self._db.sync_state(conn)
-        key = (tenant, compat_key)
-        scope = self._scopes.get(key)
-        log_covers = state.oldest_logged_removal is not None and (
-            scope is not None and state.oldest_logged_removal <= scope.removal_seq + 1
-        )
-        if (
-            scope is None
-            or scope.epoch != state.epoch
-            or scope.index.dim != dim
-            or (state.removal_seq > scope.removal_seq and not log_covers)
-        ):
-            index = ScopeIndex(dim, self._backend)
-            rows = self._db.scope_rows(conn, tenant, compat_key)
-            if rows:
-                index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
-            scope = self._scopes[key] = _Scope(index, state.epoch, state.entry_seq, state.removal_seq)
-            return index
-        if state.removal_seq > scope.removal_seq:
-            scope.index.remove(self._db.scope_removals(conn, tenant, compat_key, scope.removal_seq))
-            scope.removal_seq = state.removal_seq
-        if state.entry_seq > scope.entry_seq:
-            rows = self._db.scope_rows(conn, tenant, compat_key, scope.entry_seq)
-            if rows:
-                scope.index.add([r.id for r in rows], np.stack([r.embedding for r in rows]))
-            scope.entry_seq = state.entry_seq
-        return scope.index
-
-    @_guarded
-    def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
-        """Move a bad entry's blobs aside and delete its row; returns whether the row existed. Read-only: only warns."""
-        if self.read_only:
-            log.warning("cache entry %s is corrupt (%s); the cache is read-only, so it stays in place (a miss)", entry_id, reason)
-            return self._db.get(entry_id) is not None
-        dests = [d for d in (self._blobs.quarantine(k) for k in layout["blobs"]) if d]
-        with self._db.write() as conn:
-            existed = bool(self._db.delete(conn, [entry_id]))
-        log.warning(
-            "cache entry %s is corrupt (%s); %s and dropped it from the cache",
-            entry_id, reason, f"moved its blobs to {', '.join(dests)}" if dests else "its blobs were already gone",
-        )
-        return existed
-
-    @_guarded
-    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
-        """Delete the row of an entry whose blob vanished (unless another process already removed it) and its other
-        blobs. Read-only: only warns."""
-        if self.read_only:
-            log.warning("cache entry %s lost a blob; the cache is read-only, so its row stays (a miss)", entry_id)
-            return self._db.get(entry_id) is not None
-        with self._db.write() as conn:
-            removed = self._db.delete(conn, [entry_id])
-        self._delete_blobs(removed)
-        if removed:
-            log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
-        return bool(removed)
-
-    def _delete_blobs(self, removed: Iterable[tuple[str, dict[str, Any]]]) -> None:
-        """Delete the blobs of entries whose rows are gone for good (a failure leaves an orphan, removed later)."""
-        for _, layout in removed:
-            for key in layout["blobs"]:
-                try:
-                    self._blobs.delete(key)
-                except OSError as exc:
-                    log.warning("could not delete cache blob %s: %s", key, exc)
+    _quarantine = _guarded(StorePolicy._quarantine)
+    _drop_missing = _guarded(StorePolicy._drop_missing)
 
     def _entry_ids_on_disk(self) -> set[str]:
         try:
@@ -906,56 +548,6 @@ class CacheBank:
         return lost, sorted(removed)
 
 
-def _pack(entry_id: str, tensors: Any, video: Any) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """An entry's blobs (key -> bytes) and its layout (what the row records of them)."""
-    blobs: dict[str, bytes] = {}
-    layout: dict[str, Any] = {"blobs": {}, "tensors": {}}
-    parts: list[tuple[str, Any]] = [(TENSORS_BLOB, tensors)]
-    if video is not None:
-        if isinstance(video, np.ndarray):
-            video_t = torch.from_numpy(np.ascontiguousarray(video))
-        elif isinstance(video, torch.Tensor):
-            video_t = video
-        else:
-            raise TypeError(f"video must be a numpy array (uint8, T x H x W x 3), not {type(video).__name__}")
-        parts.append((VIDEO_BLOB, {VIDEO: video_t}))
-    for kind, group in parts:
-        key = blob_key(entry_id, kind)
-        data, index = pack_tensors(group, {"carnator_cache_format": str(FORMAT_VERSION), "entry_id": entry_id})
-        blobs[key] = data
-        layout["blobs"][key] = {"nbytes": len(data), "sha256": sha256(data)}
-        for name, spec in index.items():
-            layout["tensors"][name] = {"blob": key, **spec}
-    return blobs, layout
-
-
-def _policy_name(eviction: str | EvictionPolicy) -> str:
-    policy = get_eviction(eviction)  # CacheError for an unknown name
-    name = type(policy).name
-    if not name or get_eviction(name).__class__ is not type(policy):
-        raise CacheError(
-            f"eviction policy {type(policy).__name__} is not registered; the cache stores its policy by name, so "
-            "register it with @register_eviction(name)"
-        )
-    return name
-
-
-def _dim_message(tenant: str, compat_key: str, dim: int, got: int) -> str:
-    return (
-        f"cache scope (tenant {tenant!r}, compat key {compat_key[:12]}) holds {dim}-d recall embeddings, not {got}-d: "
-        "entries of another embedder need a compat key that names it (keys.compat_key(..., extra=...)) or another cache"
-    )
-
-
-def _as_vector(embedding: Any) -> np.ndarray:
-    if isinstance(embedding, torch.Tensor):
-        embedding = embedding.detach().to("cpu", torch.float32).numpy()
-    vec = np.asarray(embedding, dtype=np.float32).reshape(-1)
-    if vec.size == 0 or not np.all(np.isfinite(vec)):
-        raise ValueError("embedding must be a non-empty vector of finite numbers")
-    return vec.copy()
-
-
 def _write_protected(path: Path) -> bool:
     """Whether ``path`` exists and cannot be written, or has every write permission bit off (root included)."""
     try:
@@ -963,38 +555,6 @@ def _write_protected(path: Path) -> bool:
     except OSError:
         return False
     return not os.access(path, os.W_OK) or (stat.S_IMODE(st.st_mode) & 0o222) == 0
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
-_HOST = socket.gethostname()
-
-
-def _check_scope(tenant: str, compat_key: str) -> None:
-    if not isinstance(tenant, str) or not tenant:
-        raise ValueError("tenant must be a non-empty string")
-    if not isinstance(compat_key, str) or not compat_key:
-        raise ValueError("compat_key must be a non-empty string")
-
-
-def _finite(x: object) -> bool:
-    try:
-        return not isinstance(x, bool) and math.isfinite(float(x))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,4 +1,6 @@
-"""The bank's metadata database: SQLite in WAL mode, safe to share between processes.
+"""The bank's metadata database: SQLite in WAL mode, safe to share between processes; and :class:`MetaQueries`, the
+metadata queries both cache stores run (the shared store's :class:`~carnator.cache.shared.PgMeta` over PostgreSQL).
+The tables themselves are defined once in :mod:`carnator.cache.schema`.
 
 Every process keeps its own connection (reopened after ``fork`` or when ``bank.sqlite`` is replaced
 by another process's recovery). Writers use ``BEGIN IMMEDIATE`` and wait up to ``busy_timeout``
@@ -28,7 +30,6 @@ import json
 import os
 import secrets
 import sqlite3
-import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,9 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tenacity
 
 from ..errors import CacheError
 from .entry import CacheSettings, EntryMeta
+from .schema import migrate
 
 #: Version of the on-disk layout (``VERSION`` marker, schema, blob naming). Bump on incompatible change.
 #: 1: one tensor file per entry, one checksum per file. 2: tensors and video in separate blobs, a checksum per
@@ -48,58 +51,10 @@ FORMAT_VERSION = 2
 #: How many removals the log keeps; an index further behind than this rebuilds from scratch.
 REMOVAL_LOG_KEEP = 4096
 
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    """CREATE TABLE IF NOT EXISTS entries (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        id TEXT NOT NULL UNIQUE,
-        tenant TEXT NOT NULL,
-        compat_key TEXT NOT NULL,
-        exact_key TEXT,
-        prompt TEXT NOT NULL,
-        negative_prompt TEXT,
-        seed TEXT,
-        created REAL NOT NULL,
-        last_used REAL NOT NULL,
-        use_count INTEGER NOT NULL DEFAULT 0,
-        steps_saved REAL NOT NULL DEFAULT 0,
-        nbytes INTEGER NOT NULL,
-        embedding BLOB NOT NULL,
-        extra TEXT NOT NULL DEFAULT '{}',
-        layout TEXT NOT NULL,
-        content_key TEXT
-    )""",
-    "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
-    "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
-    """CREATE TABLE IF NOT EXISTS scopes (
-        tenant TEXT NOT NULL,
-        compat_key TEXT NOT NULL,
-        dim INTEGER NOT NULL,
-        PRIMARY KEY (tenant, compat_key)
-    )""",
-    """CREATE TABLE IF NOT EXISTS removals (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        id TEXT NOT NULL,
-        tenant TEXT NOT NULL,
-        compat_key TEXT NOT NULL
-    )""",
-    """CREATE TABLE IF NOT EXISTS leases (
-        tenant TEXT NOT NULL,
-        exact_key TEXT NOT NULL,
-        holder TEXT NOT NULL,
-        host TEXT NOT NULL,
-        pid INTEGER NOT NULL,
-        expires REAL NOT NULL,
-        PRIMARY KEY (tenant, exact_key)
-    )""",
-)
-
 _COLUMNS = (
     "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
     "use_count, steps_saved, nbytes, embedding, extra, layout, content_key"
 )
-#: Added to format 2 after its release (an older database gains it when first opened writable): the content key.
-_CONTENT_INDEX = "CREATE INDEX IF NOT EXISTS entries_content ON entries (tenant, compat_key, content_key, seq)"
 
 _CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
@@ -150,7 +105,219 @@ class Lease:
     expires: float
 
 
-class MetaDB:
+class MetaQueries:
+    """The metadata queries of both cache stores, written once in the SQL that SQLite and PostgreSQL both take, with
+    ``?`` placeholders (turned into ``%s`` for psycopg). ``conn``: the transaction's connection (default: the
+    store's own, where it keeps one)."""
+
+    placeholder = "?"
+
+    def _x(self, conn: Any, sql: str, args: Sequence[Any] = ()) -> Any:
+        return conn.execute(sql if self.placeholder == "?" else sql.replace("?", self.placeholder), args)
+
+    def _c(self, conn: Any) -> Any:
+        if conn is None:
+            raise CacheError("no connection to the cache's metadata")
+        return conn
+
+    def _bytes_changed(self, conn: Any, n: int) -> None:
+        """A store that keeps its byte total in a row adds ``n`` to it (inside the write)."""
+
+    # -- meta and settings -----------------------------------------------------------------------
+
+    def get_meta(self, key: str, conn: Any = None) -> str | None:
+        row = self._x(self._c(conn), "SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, conn: Any, key: str, value: str) -> None:
+        self._x(conn, "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
+
+    def settings(self, conn: Any = None) -> CacheSettings:
+        cap = self.get_meta("capacity_bytes", conn)
+        return CacheSettings(
+            capacity_bytes=None if cap in (None, "none") else int(cap),
+            eviction=self.get_meta("eviction", conn) or "lru",
+        )
+
+    def set_settings(self, conn: Any, settings: CacheSettings) -> None:
+        cap = settings.capacity_bytes
+        self.set_meta(conn, "capacity_bytes", "none" if cap is None else str(int(cap)))
+        self.set_meta(conn, "eviction", settings.eviction)
+
+    # -- scopes ----------------------------------------------------------------------------------
+
+    def scope_dim(self, tenant: str, compat_key: str, conn: Any = None) -> int | None:
+        """The embedding size of a scope, or None while it holds no entry (an emptied scope takes any size)."""
+        c = self._c(conn)
+        row = self._x(c, "SELECT dim FROM scopes WHERE tenant = ? AND compat_key = ?", (tenant, compat_key)).fetchone()
+        if row is None:
+            return None
+        if self._x(c, "SELECT 1 FROM entries WHERE tenant = ? AND compat_key = ? LIMIT 1", (tenant, compat_key)).fetchone() is None:
+            return None
+        return int(row[0])
+
+    def set_scope_dim(self, conn: Any, tenant: str, compat_key: str, dim: int) -> None:
+        self._x(conn,
+            "INSERT INTO scopes (tenant, compat_key, dim) VALUES (?, ?, ?) "
+            "ON CONFLICT (tenant, compat_key) DO UPDATE SET dim = excluded.dim", (tenant, compat_key, int(dim))
+        )
+
+    # -- entries ---------------------------------------------------------------------------------
+
+    def insert(self, conn: Any, meta: EntryMeta, layout: dict[str, Any]) -> None:
+        self._x(conn, f"INSERT INTO entries ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (
+            meta.id, meta.tenant, meta.compat_key, meta.exact_key, meta.prompt, meta.negative_prompt,
+            None if meta.seed is None else str(int(meta.seed)), meta.created, meta.last_used, int(meta.use_count),
+            float(meta.steps_saved), int(meta.nbytes), np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
+            dump_extra(meta.extra), json.dumps(layout, sort_keys=True, separators=(",", ":")), meta.content_key))
+        self._bytes_changed(conn, int(meta.nbytes))
+
+    def delete(self, conn: Any, ids: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
+        """Delete rows by id and log the removals; returns ``(id, layout)`` of those that existed."""
+        removed: list[tuple[str, dict[str, Any]]] = []
+        freed = 0
+        for entry_id in ids:
+            row = self._x(conn, "SELECT tenant, compat_key, layout, nbytes FROM entries WHERE id = ?", (entry_id,)).fetchone()
+            if row is None:
+                continue
+            self._x(conn, "DELETE FROM entries WHERE id = ?", (entry_id,))
+            self._x(conn, "INSERT INTO removals (id, tenant, compat_key) VALUES (?, ?, ?)", (entry_id, row[0], row[1]))
+            removed.append((entry_id, _layout(row[2])))
+            freed += int(row[3])
+        if removed:
+            self._trim_removals(conn)
+            self._bytes_changed(conn, -freed)
+        return removed
+
+    def delete_all(self, conn: Any, tenant: str | None) -> list[tuple[str, dict[str, Any]]]:
+        """Delete every row (of ``tenant``) and log the removals; changes the epoch so every index rebuilds."""
+        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
+        found = self._x(conn, f"SELECT id, layout, nbytes FROM entries{where}", args).fetchall()
+        rows = [(str(i), _layout(lay)) for i, lay, _ in found]
+        if rows:
+            self._bytes_changed(conn, -sum(int(n) for _, _, n in found))
+            self._x(conn, f"INSERT INTO removals (id, tenant, compat_key) SELECT id, tenant, compat_key FROM entries{where}", args)
+            self._x(conn, f"DELETE FROM entries{where}", args)
+            self._x(conn, f"DELETE FROM scopes{where}", args)
+            self._trim_removals(conn)
+            self.set_meta(conn, "epoch", secrets.token_hex(8))
+        return rows
+
+    def _trim_removals(self, conn: Any) -> None:
+        self._x(conn, "DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - ?", (REMOVAL_LOG_KEEP,))
+
+    def get(self, entry_id: str, conn: Any = None) -> EntryMeta | None:
+        row = self._x(self._c(conn), f"SELECT {_COLUMNS} FROM entries WHERE id = ?", (entry_id,)).fetchone()
+        return None if row is None else _to_meta(row)
+
+    def get_many(self, conn: Any, ids: Sequence[str]) -> dict[str, EntryMeta]:
+        out: dict[str, EntryMeta] = {}
+        for start in range(0, len(ids), 500):
+            chunk = list(ids[start : start + 500])
+            marks = ",".join("?" * len(chunk))
+            for row in self._x(conn, f"SELECT {_COLUMNS} FROM entries WHERE id IN ({marks})", chunk):
+                meta = _to_meta(row)
+                out[meta.id] = meta
+        return out
+
+    def layout(self, entry_id: str, conn: Any = None) -> dict[str, Any] | None:
+        row = self._x(self._c(conn), "SELECT layout FROM entries WHERE id = ?", (entry_id,)).fetchone()
+        return None if row is None else _layout(row[0])
+
+    def layouts(self, tenant: str | None = None, conn: Any = None) -> list[tuple[str, dict[str, Any]]]:
+        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
+        return [(str(i), _layout(lay)) for i, lay in self._x(self._c(conn), f"SELECT id, layout FROM entries{where} ORDER BY seq", args)]
+
+    def ids(self, conn: Any = None) -> set[str]:
+        return {r[0] for r in self._x(self._c(conn), "SELECT id FROM entries")}
+
+    def removed_ids(self, conn: Any = None) -> set[str]:
+        return {r[0] for r in self._x(self._c(conn), "SELECT id FROM removals")}
+
+    def by_exact_key(self, tenant: str, exact_key: str, compat_key: str | None = None, conn: Any = None) -> EntryMeta | None:
+        sql = f"SELECT {_COLUMNS} FROM entries WHERE tenant = ? AND exact_key = ?"
+        args: list[Any] = [tenant, exact_key]
+        if compat_key is not None:
+            sql += " AND compat_key = ?"
+            args.append(compat_key)
+        row = self._x(self._c(conn), sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
+        return None if row is None else _to_meta(row)
+
+    def content_ids(self, conn: Any, tenant: str, compat_key: str, content_key: str, limit: int) -> list[str]:
+        """The newest ``limit`` entries of the scope admitted under ``content_key``, newest first."""
+        rows = self._x(conn, "SELECT id FROM entries WHERE tenant = ? AND compat_key = ? AND content_key = ? "
+                            "ORDER BY seq DESC LIMIT ?", (tenant, compat_key, content_key, int(limit)))
+        return [r[0] for r in rows]
+
+    def exact_key_ids(self, conn: Any, tenant: str, exact_key: str, compat_key: str) -> list[str]:
+        rows = self._x(conn, "SELECT id FROM entries WHERE tenant = ? AND exact_key = ? AND compat_key = ?",
+                            (tenant, exact_key, compat_key))
+        return [r[0] for r in rows]
+
+    def all(self, conn: Any = None, tenant: str | None = None) -> list[EntryMeta]:
+        c = self._c(conn)
+        if tenant is None:
+            rows = self._x(c, f"SELECT {_COLUMNS} FROM entries ORDER BY seq")
+        else:
+            rows = self._x(c, f"SELECT {_COLUMNS} FROM entries WHERE tenant = ? ORDER BY seq", (tenant,))
+        return [_to_meta(r) for r in rows]
+
+    def total_bytes(self, conn: Any) -> int:
+        return int(self._x(conn, "SELECT coalesce(sum(nbytes), 0) FROM entries").fetchone()[0])
+
+    def per_tenant(self, tenant: str | None = None, conn: Any = None) -> list[tuple[str, int, int]]:
+        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
+        return [
+            (str(t), int(c), int(b))
+            for t, c, b in self._x(self._c(conn),
+                f"SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM entries{where} GROUP BY tenant ORDER BY tenant", args
+            )
+        ]
+
+    def touch(self, entry_id: str, now: float, steps_saved: float | None, conn: Any = None) -> bool:
+        if steps_saved is None:
+            cur = self._x(self._c(conn),
+                "UPDATE entries SET last_used = ?, use_count = use_count + 1 WHERE id = ?", (now, entry_id)
+            )
+        else:
+            cur = self._x(self._c(conn),
+                "UPDATE entries SET last_used = ?, use_count = use_count + 1, steps_saved = ? WHERE id = ?",
+                (now, float(steps_saved), entry_id),
+            )
+        return cur.rowcount > 0
+
+    def scope_rows(self, conn: Any, tenant: str, compat_key: str, after_seq: int = 0) -> list[ScopeRow]:
+        rows = self._x(conn,
+            "SELECT seq, id, embedding FROM entries WHERE tenant = ? AND compat_key = ? AND seq > ? ORDER BY seq",
+            (tenant, compat_key, after_seq),
+        )
+        return [ScopeRow(int(s), str(i), np.frombuffer(e, dtype="<f4").astype(np.float32)) for s, i, e in rows]
+
+    def scope_removals(self, conn: Any, tenant: str, compat_key: str, after_seq: int) -> list[str]:
+        rows = self._x(conn,
+            "SELECT id FROM removals WHERE tenant = ? AND compat_key = ? AND seq > ?", (tenant, compat_key, after_seq)
+        )
+        return [r[0] for r in rows]
+
+    # -- leases ----------------------------------------------------------------------------------
+
+    def lease(self, conn: Any, tenant: str, exact_key: str) -> Lease | None:
+        row = self._x(conn,
+            "SELECT holder, host, pid, expires FROM leases WHERE tenant = ? AND exact_key = ?", (tenant, exact_key)
+        ).fetchone()
+        return None if row is None else Lease(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
+
+    def set_lease(self, conn: Any, tenant: str, exact_key: str, lease: Lease) -> None:
+        self._x(conn,
+            "INSERT OR REPLACE INTO leases (tenant, exact_key, holder, host, pid, expires) VALUES (?, ?, ?, ?, ?, ?)",
+            (tenant, exact_key, lease.holder, lease.host, lease.pid, lease.expires),
+        )
+
+    def drop_lease(self, conn: Any, tenant: str, exact_key: str, holder: str) -> None:
+        self._x(conn, "DELETE FROM leases WHERE tenant = ? AND exact_key = ? AND holder = ?", (tenant, exact_key, holder))
+
+
+class MetaDB(MetaQueries):
     """One process's connection to ``bank.sqlite``.
 
     ``read_only``: open with SQLite's ``mode=ro`` (falling back to ``immutable=1`` where SQLite cannot even create
@@ -235,23 +402,22 @@ class MetaDB:
         opening a fresh cache together get "database is locked" at once. So read the mode first (no lock
         once the file is WAL) and retry the conversion with backoff within ``busy_timeout_s``.
         """
-        deadline = time.monotonic() + self.busy_timeout_s
-        delay = 0.005
-        while True:
+        def convert() -> str:
             mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
-            if mode == "wal":
-                return
-            try:
-                mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-            if mode == "wal":
-                return
-            if time.monotonic() >= deadline:
-                raise CacheError(f"cache database {self.path} cannot use WAL mode (got {mode!r}; another process holds it)")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            if mode != "wal":
+                try:
+                    mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) and "busy" not in str(exc):
+                        raise
+            return mode
+
+        mode = tenacity.Retrying(
+            retry=tenacity.retry_if_result(lambda got: got != "wal"), stop=tenacity.stop_after_delay(self.busy_timeout_s),
+            wait=tenacity.wait_exponential(multiplier=0.005, max=0.2),
+            retry_error_callback=lambda state: state.outcome.result())(convert)
+        if mode != "wal":
+            raise CacheError(f"cache database {self.path} cannot use WAL mode (got {mode!r}; another process holds it)")
 
     def close(self) -> None:
         if self._conn is not None:
@@ -280,16 +446,14 @@ class MetaDB:
     def _init_schema(self, conn: sqlite3.Connection) -> str:
         conn.execute("BEGIN IMMEDIATE")
         try:
+            found = None
             if _has_table(conn, "meta"):  # another format's database is left exactly as it is
                 version = self.get_meta("format_version", conn)
                 if version != str(FORMAT_VERSION):
                     conn.execute("ROLLBACK")
                     return str(version)
-            for stmt in _SCHEMA:
-                conn.execute(stmt)
-            if not _has_column(conn, "entries", "content_key"):
-                conn.execute("ALTER TABLE entries ADD COLUMN content_key TEXT")
-            conn.execute(_CONTENT_INDEX)
+                found = self.get_meta("schema_version", conn)
+            migrate(conn.execute, "sqlite", found)
             conn.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('format_version', ?)", (str(FORMAT_VERSION),)
             )
@@ -328,26 +492,8 @@ class MetaDB:
             if conn.in_transaction:
                 conn.execute("COMMIT")
 
-    # -- meta and settings -----------------------------------------------------------------------
-
-    def get_meta(self, key: str, conn: sqlite3.Connection | None = None) -> str | None:
-        row = (conn or self.conn).execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else str(row[0])
-
-    def set_meta(self, conn: sqlite3.Connection, key: str, value: str) -> None:
-        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
-
-    def settings(self, conn: sqlite3.Connection | None = None) -> CacheSettings:
-        cap = self.get_meta("capacity_bytes", conn)
-        return CacheSettings(
-            capacity_bytes=None if cap in (None, "none") else int(cap),
-            eviction=self.get_meta("eviction", conn) or "lru",
-        )
-
-    def set_settings(self, conn: sqlite3.Connection, settings: CacheSettings) -> None:
-        cap = settings.capacity_bytes
-        self.set_meta(conn, "capacity_bytes", "none" if cap is None else str(int(cap)))
-        self.set_meta(conn, "eviction", settings.eviction)
+    def _c(self, conn: Any) -> Any:
+        return self.conn if conn is None else conn
 
     def sync_state(self, conn: sqlite3.Connection) -> SyncState:
         seqs = dict(conn.execute("SELECT name, seq FROM sqlite_sequence").fetchall())
@@ -358,189 +504,6 @@ class MetaDB:
             removal_seq=int(seqs.get("removals", 0)),
             oldest_logged_removal=None if oldest is None else int(oldest),
         )
-
-    # -- scopes ----------------------------------------------------------------------------------
-
-    def scope_dim(self, tenant: str, compat_key: str, conn: sqlite3.Connection | None = None) -> int | None:
-        """The embedding size of a scope, or None while it holds no entry (an emptied scope takes any size)."""
-        c = conn or self.conn
-        row = c.execute("SELECT dim FROM scopes WHERE tenant = ? AND compat_key = ?", (tenant, compat_key)).fetchone()
-        if row is None:
-            return None
-        if c.execute("SELECT 1 FROM entries WHERE tenant = ? AND compat_key = ? LIMIT 1", (tenant, compat_key)).fetchone() is None:
-            return None
-        return int(row[0])
-
-    def set_scope_dim(self, conn: sqlite3.Connection, tenant: str, compat_key: str, dim: int) -> None:
-        conn.execute(
-            "INSERT OR REPLACE INTO scopes (tenant, compat_key, dim) VALUES (?, ?, ?)", (tenant, compat_key, int(dim))
-        )
-
-    # -- entries ---------------------------------------------------------------------------------
-
-    def insert(self, conn: sqlite3.Connection, meta: EntryMeta, layout: dict[str, Any]) -> None:
-        conn.execute(
-            f"INSERT INTO entries ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                meta.id,
-                meta.tenant,
-                meta.compat_key,
-                meta.exact_key,
-                meta.prompt,
-                meta.negative_prompt,
-                None if meta.seed is None else str(int(meta.seed)),
-                meta.created,
-                meta.last_used,
-                int(meta.use_count),
-                float(meta.steps_saved),
-                int(meta.nbytes),
-                np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
-                dump_extra(meta.extra),
-                json.dumps(layout, sort_keys=True, separators=(",", ":")),
-                meta.content_key,
-            ),
-        )
-
-    def delete(self, conn: sqlite3.Connection, ids: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
-        """Delete rows by id and log the removals; returns ``(id, layout)`` of those that existed."""
-        removed: list[tuple[str, dict[str, Any]]] = []
-        for entry_id in ids:
-            row = conn.execute("SELECT tenant, compat_key, layout FROM entries WHERE id = ?", (entry_id,)).fetchone()
-            if row is None:
-                continue
-            conn.execute("DELETE FROM entries WHERE id = ?", (entry_id,))
-            conn.execute(
-                "INSERT INTO removals (id, tenant, compat_key) VALUES (?, ?, ?)", (entry_id, row[0], row[1])
-            )
-            removed.append((entry_id, _layout(row[2])))
-        if removed:
-            self._trim_removals(conn)
-        return removed
-
-    def delete_all(self, conn: sqlite3.Connection, tenant: str | None) -> list[tuple[str, dict[str, Any]]]:
-        """Delete every row (of ``tenant``) and log the removals; changes the epoch so every index rebuilds."""
-        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
-        rows = [(str(i), _layout(lay)) for i, lay in conn.execute(f"SELECT id, layout FROM entries{where}", args)]
-        if rows:
-            conn.execute(f"INSERT INTO removals (id, tenant, compat_key) SELECT id, tenant, compat_key FROM entries{where}", args)
-            conn.execute(f"DELETE FROM entries{where}", args)
-            conn.execute(f"DELETE FROM scopes{where}", args)
-            self._trim_removals(conn)
-            self.set_meta(conn, "epoch", secrets.token_hex(8))
-        return rows
-
-    def _trim_removals(self, conn: sqlite3.Connection) -> None:
-        conn.execute("DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - ?", (REMOVAL_LOG_KEEP,))
-
-    def get(self, entry_id: str, conn: sqlite3.Connection | None = None) -> EntryMeta | None:
-        row = (conn or self.conn).execute(f"SELECT {_COLUMNS} FROM entries WHERE id = ?", (entry_id,)).fetchone()
-        return None if row is None else _to_meta(row)
-
-    def get_many(self, conn: sqlite3.Connection, ids: Sequence[str]) -> dict[str, EntryMeta]:
-        out: dict[str, EntryMeta] = {}
-        for start in range(0, len(ids), 500):
-            chunk = list(ids[start : start + 500])
-            marks = ",".join("?" * len(chunk))
-            for row in conn.execute(f"SELECT {_COLUMNS} FROM entries WHERE id IN ({marks})", chunk):
-                meta = _to_meta(row)
-                out[meta.id] = meta
-        return out
-
-    def layout(self, entry_id: str) -> dict[str, Any] | None:
-        row = self.conn.execute("SELECT layout FROM entries WHERE id = ?", (entry_id,)).fetchone()
-        return None if row is None else _layout(row[0])
-
-    def layouts(self, tenant: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
-        return [(str(i), _layout(lay)) for i, lay in self.conn.execute(f"SELECT id, layout FROM entries{where} ORDER BY seq", args)]
-
-    def ids(self) -> set[str]:
-        return {r[0] for r in self.conn.execute("SELECT id FROM entries")}
-
-    def removed_ids(self) -> set[str]:
-        return {r[0] for r in self.conn.execute("SELECT id FROM removals")}
-
-    def by_exact_key(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
-        sql = f"SELECT {_COLUMNS} FROM entries WHERE tenant = ? AND exact_key = ?"
-        args: list[Any] = [tenant, exact_key]
-        if compat_key is not None:
-            sql += " AND compat_key = ?"
-            args.append(compat_key)
-        row = self.conn.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
-        return None if row is None else _to_meta(row)
-
-    def content_ids(self, conn: sqlite3.Connection, tenant: str, compat_key: str, content_key: str, limit: int) -> list[str]:
-        """The newest ``limit`` entries of the scope admitted under ``content_key``, newest first."""
-        rows = conn.execute("SELECT id FROM entries WHERE tenant = ? AND compat_key = ? AND content_key = ? "
-                            "ORDER BY seq DESC LIMIT ?", (tenant, compat_key, content_key, int(limit)))
-        return [r[0] for r in rows]
-
-    def exact_key_ids(self, conn: sqlite3.Connection, tenant: str, exact_key: str, compat_key: str) -> list[str]:
-        rows = conn.execute("SELECT id FROM entries WHERE tenant = ? AND exact_key = ? AND compat_key = ?",
-                            (tenant, exact_key, compat_key))
-        return [r[0] for r in rows]
-
-    def all(self, conn: sqlite3.Connection | None = None, tenant: str | None = None) -> list[EntryMeta]:
-        c = conn or self.conn
-        if tenant is None:
-            rows = c.execute(f"SELECT {_COLUMNS} FROM entries ORDER BY seq")
-        else:
-            rows = c.execute(f"SELECT {_COLUMNS} FROM entries WHERE tenant = ? ORDER BY seq", (tenant,))
-        return [_to_meta(r) for r in rows]
-
-    def total_bytes(self, conn: sqlite3.Connection) -> int:
-        return int(conn.execute("SELECT coalesce(sum(nbytes), 0) FROM entries").fetchone()[0])
-
-    def per_tenant(self, tenant: str | None = None) -> list[tuple[str, int, int]]:
-        where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))
-        return [
-            (str(t), int(c), int(b))
-            for t, c, b in self.conn.execute(
-                f"SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM entries{where} GROUP BY tenant ORDER BY tenant", args
-            )
-        ]
-
-    def touch(self, entry_id: str, now: float, steps_saved: float | None) -> bool:
-        if steps_saved is None:
-            cur = self.conn.execute(
-                "UPDATE entries SET last_used = ?, use_count = use_count + 1 WHERE id = ?", (now, entry_id)
-            )
-        else:
-            cur = self.conn.execute(
-                "UPDATE entries SET last_used = ?, use_count = use_count + 1, steps_saved = ? WHERE id = ?",
-                (now, float(steps_saved), entry_id),
-            )
-        return cur.rowcount > 0
-
-    def scope_rows(self, conn: sqlite3.Connection, tenant: str, compat_key: str, after_seq: int = 0) -> list[ScopeRow]:
-        rows = conn.execute(
-            "SELECT seq, id, embedding FROM entries WHERE tenant = ? AND compat_key = ? AND seq > ? ORDER BY seq",
-            (tenant, compat_key, after_seq),
-        )
-        return [ScopeRow(int(s), str(i), np.frombuffer(e, dtype="<f4").astype(np.float32)) for s, i, e in rows]
-
-    def scope_removals(self, conn: sqlite3.Connection, tenant: str, compat_key: str, after_seq: int) -> list[str]:
-        rows = conn.execute(
-            "SELECT id FROM removals WHERE tenant = ? AND compat_key = ? AND seq > ?", (tenant, compat_key, after_seq)
-        )
-        return [r[0] for r in rows]
-
-    # -- leases ----------------------------------------------------------------------------------
-
-    def lease(self, conn: sqlite3.Connection, tenant: str, exact_key: str) -> Lease | None:
-        row = conn.execute(
-            "SELECT holder, host, pid, expires FROM leases WHERE tenant = ? AND exact_key = ?", (tenant, exact_key)
-        ).fetchone()
-        return None if row is None else Lease(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
-
-    def set_lease(self, conn: sqlite3.Connection, tenant: str, exact_key: str, lease: Lease) -> None:
-        conn.execute(
-            "INSERT OR REPLACE INTO leases (tenant, exact_key, holder, host, pid, expires) VALUES (?, ?, ?, ?, ?, ?)",
-            (tenant, exact_key, lease.holder, lease.host, lease.pid, lease.expires),
-        )
-
-    def drop_lease(self, conn: sqlite3.Connection, tenant: str, exact_key: str, holder: str) -> None:
-        conn.execute("DELETE FROM leases WHERE tenant = ? AND exact_key = ? AND holder = ?", (tenant, exact_key, holder))
 
 
 def count_entries(path: Path) -> int | None:

@@ -9,7 +9,9 @@ What lives where:
   eviction policy). Tables live in one schema (``?schema=NAME`` in the URL, default ``carnator``).
 * Shared storage (fsspec): immutable checksummed safetensors blobs, written exactly as :class:`CacheBank` writes them
   (stage, commit the row, publish), so a crash anywhere leaves a staged blob without a row (swept after the grace
-  period) or a row whose blob is staged (published by its first reader).
+  period) or a row whose blob is staged (published by its first reader). Each store writes under a directory of its
+  own (recorded in its meta table), so stores sharing one ``blobs`` never sweep each other's blobs; a published blob
+  without a row or a logged removal is an entry the database lost, reported by :meth:`SharedStore.verify`.
 * Each replica: a FAISS index per ``(tenant, compat_key)`` scope, brought up to date before every search from the
   entry sequence and removal log (the bank's sequence/epoch design), and a bounded read-through cache of blob bytes.
 
@@ -26,7 +28,7 @@ calls (configure, evict, clear, verify, stats) raise :class:`CacheError`.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import json
 import logging
@@ -43,72 +45,19 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..errors import CacheError, CorruptEntryError
-from .bank import (
-    _HOST,
-    UNSET,
-    _as_vector,
-    _check_scope,
-    _dim_message,
-    _finite,
-    _NoRoom,
-    _pack,
-    _pid_alive,
-    _policy_name,
-    _Scope,
-)
+from ..errors import CacheError
+from . import policy
+from .policy import Scope, StorePolicy
 from .blobfs import FsspecBlobStore, ReadThroughBlobs
-from .entry import VIDEO, BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
+from .entry import BankStats, CacheSettings, EntryMeta, TenantStats, VerifyReport
 from .eviction import LCBFU, LRU, get_eviction
 from .index import ScopeIndex, resolve_backend
-from .metadb import FORMAT_VERSION, REMOVAL_LOG_KEEP, Lease, SyncState, dump_extra
-from .protocol import StoreSpec
-from .store import check_blobs, read_tensors
+from .metadb import FORMAT_VERSION, MetaQueries, Lease, SyncState
+from .schema import migrate
+from .store import STAGED_SUFFIX
 
 log = logging.getLogger("carnator.cache")
-
-_COLUMNS = (
-    "id, tenant, compat_key, exact_key, prompt, negative_prompt, seed, created, last_used, "
-    "use_count, steps_saved, nbytes, embedding, extra, layout, content_key"
-)
-
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    """CREATE TABLE IF NOT EXISTS entries (
-        seq BIGSERIAL PRIMARY KEY,
-        id TEXT NOT NULL UNIQUE,
-        tenant TEXT NOT NULL,
-        compat_key TEXT NOT NULL,
-        exact_key TEXT,
-        prompt TEXT NOT NULL,
-        negative_prompt TEXT,
-        seed TEXT,
-        created DOUBLE PRECISION NOT NULL,
-        last_used DOUBLE PRECISION NOT NULL,
-        use_count BIGINT NOT NULL DEFAULT 0,
-        steps_saved DOUBLE PRECISION NOT NULL DEFAULT 0,
-        nbytes BIGINT NOT NULL,
-        embedding BYTEA NOT NULL,
-        extra TEXT NOT NULL DEFAULT '{}',
-        layout TEXT NOT NULL,
-        content_key TEXT
-    )""",
-    # content_key joined format 2 after its release: an older store gains it when first opened writable
-    "ALTER TABLE entries ADD COLUMN IF NOT EXISTS content_key TEXT",
-    "CREATE INDEX IF NOT EXISTS entries_content ON entries (tenant, compat_key, content_key, seq)",
-    "CREATE INDEX IF NOT EXISTS entries_scope ON entries (tenant, compat_key, seq)",
-    "CREATE INDEX IF NOT EXISTS entries_exact ON entries (tenant, exact_key)",
-    """CREATE TABLE IF NOT EXISTS scopes (
-        tenant TEXT NOT NULL, compat_key TEXT NOT NULL, dim INTEGER NOT NULL, PRIMARY KEY (tenant, compat_key))""",
-    """CREATE TABLE IF NOT EXISTS removals (
-        seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, tenant TEXT NOT NULL, compat_key TEXT NOT NULL)""",
-    "CREATE INDEX IF NOT EXISTS removals_scope ON removals (tenant, compat_key, seq)",
-    """CREATE TABLE IF NOT EXISTS leases (
-        tenant TEXT NOT NULL, exact_key TEXT NOT NULL, holder TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
-        expires DOUBLE PRECISION NOT NULL, PRIMARY KEY (tenant, exact_key))""",
-)
 
 #: The built-in eviction policies' order (``eviction.LRU`` / ``LCBFU`` sort keys) in SQL.
 _SQL_ORDER = {"lru": 'last_used, created, id COLLATE "C"',
@@ -151,13 +100,35 @@ def _available(default: Any) -> Callable:
     return deco
 
 
-class SharedStore:
+class PgMeta(MetaQueries):
+    """The metadata queries over PostgreSQL (psycopg's ``%s`` placeholders). The byte total is kept in a ``meta`` row
+    by the writers (summing 10^6 rows per admission is not an option)."""
+
+    placeholder = "%s"
+
+    def total_bytes(self, conn: Any) -> int:
+        return int(conn.execute("SELECT value FROM meta WHERE key = 'total_bytes'").fetchone()[0])
+
+    def sync_state(self, c: Any) -> SyncState:
+        epoch = c.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
+        eseq = c.execute("SELECT coalesce(max(seq), 0) FROM entries").fetchone()[0]
+        rmin, rmax = c.execute("SELECT min(seq), coalesce(max(seq), 0) FROM removals").fetchone()
+        return SyncState(epoch=epoch[0] if epoch else "", entry_seq=int(eseq), removal_seq=int(rmax),
+                         oldest_logged_removal=None if rmin is None else int(rmin))
+
+    def _bytes_changed(self, conn: Any, n: int) -> None:
+        if n:
+            conn.execute("UPDATE meta SET value = (value::bigint + %s)::text WHERE key = 'total_bytes'", (int(n),))
+
+
+class SharedStore(StorePolicy):
     """A cache store shared by processes on many hosts; implements :class:`~carnator.cache.CacheStore`.
 
     Args:
         url: ``postgresql://user[:password]@host[:port]/database[?schema=NAME]`` (libpq URL; ``schema`` picks the
             schema its tables live in, default ``carnator``).
-        blobs: where blobs live: a path (local or NFS) or an fsspec URL (``s3://bucket/prefix`` with s3fs installed).
+        blobs: where blobs live: a path (local or NFS) or an fsspec URL (``s3://bucket/prefix`` with s3fs installed);
+            this store's are in its own directory under it, :attr:`blobs_url`.
         read_only: serve lookups, loads and recall; store nothing.
         index_backend: ``"auto"``, ``"faiss"`` or ``"numpy"`` (same results, different speed).
         local_cache_bytes: bound of this process's read-through cache of blob bytes.
@@ -176,7 +147,10 @@ class SharedStore:
             raise CacheError("a postgresql:// store needs psycopg: pip install 'carnator[scale]'") from None
         self.url = url
         self._conninfo, self.schema = parse_store_url(url)
-        self.blobs_url = str(blobs)
+        #: where blobs of every store live; this store's are in its own directory under it, :attr:`blobs_url`
+        self.blobs_root = str(blobs).rstrip("/") or "/"
+        self.blobs_url = self.blobs_root
+        self._blob_dir: str | None = None
         self.read_only = bool(read_only)
         self.orphan_grace_s = float(orphan_grace_s)
         self.connect_timeout_s = float(connect_timeout_s)
@@ -184,7 +158,8 @@ class SharedStore:
         self._clock = clock
         self._backend = resolve_backend(index_backend)
         self._lock = threading.RLock()
-        self._scopes: dict[tuple[str, str], _Scope] = {}
+        self._scopes: dict[tuple[str, str], Scope] = {}
+        self._db = PgMeta()
         self._conn: Any = None
         self._pid = -1
         self._down_until = 0.0
@@ -195,12 +170,20 @@ class SharedStore:
         #: calls served degraded because PostgreSQL could not be reached (a metric: carnator_cache_store_unavailable)
         self.unavailable = 0
         try:
-            self.remote = FsspecBlobStore(self.blobs_url, read_only=self.read_only)
+            import fsspec
+
+            self._root_fs, self._root_path = fsspec.core.url_to_fs(self.blobs_root)
         except (OSError, ValueError, ImportError) as exc:
-            raise CacheError(f"--blobs {self.blobs_url}: not usable ({exc})") from None
-        self._blobs = ReadThroughBlobs(self.remote, local_cache_bytes)
+            raise CacheError(f"--blobs {self.blobs_root}: not usable ({exc})") from None
         with self._lock:
             self._connect()  # a wrong URL fails here, at start-up; an outage later degrades
+        if self._blob_dir is not None:
+            self.blobs_url = f"{self.blobs_root.rstrip('/')}/{self._blob_dir}"
+        try:
+            self.remote = FsspecBlobStore(self.blobs_url, read_only=self.read_only)
+        except (OSError, ValueError, ImportError) as exc:
+            raise CacheError(f"--blobs {self.blobs_root}: not usable ({exc})") from None
+        self._blobs = ReadThroughBlobs(self.remote, local_cache_bytes)
 
     # -- connection --------------------------------------------------------------------------------
 
@@ -241,14 +224,18 @@ class SharedStore:
                     conn.execute(f"CREATE SCHEMA IF NOT EXISTS {self.schema}")
                 conn.execute(f"SET search_path TO {self.schema}")
                 if not self.read_only:
-                    for stmt in _SCHEMA:
-                        conn.execute(stmt)
+                    found = None
+                    if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is not None:
+                        found = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                    migrate(conn.execute, "postgresql", found[0] if found else None)
                     conn.execute("INSERT INTO meta VALUES ('format_version', %s) ON CONFLICT DO NOTHING", (str(FORMAT_VERSION),))
                     conn.execute("INSERT INTO meta VALUES ('epoch', %s) ON CONFLICT DO NOTHING", (secrets.token_hex(8),))
                     # the sum of every entry's bytes, kept by the writers (a sum over 10^6 rows per admission is not)
                     conn.execute("INSERT INTO meta SELECT 'total_bytes', coalesce(sum(nbytes), 0)::text FROM entries "
                                  "ON CONFLICT DO NOTHING")
+                    self._own_blob_dir(conn)
                 row = conn.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
+                blob_dir = conn.execute("SELECT value FROM meta WHERE key = 'blob_dir'").fetchone()
             conn.execute(f"SET search_path TO {self.schema}")  # a session setting, outside the transaction too
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(f"PostgreSQL: {_first_line(exc)}") from None
@@ -257,6 +244,30 @@ class SharedStore:
         if row is None or row[0] != str(FORMAT_VERSION):
             raise CacheError(f"store {_redact(self.url)} (schema {self.schema}) uses format version "
                              f"{row[0] if row else '?'}, this carnator reads version {FORMAT_VERSION}")
+        self._blob_dir = None if blob_dir is None else str(blob_dir[0])
+
+    def _own_blob_dir(self, conn: Any) -> None:
+        """Give the store a blob directory of its own (``<schema>-<random>`` under ``--blobs``), recorded in its meta
+        table: stores of several schemas may share one ``--blobs`` and never sweep each other's blobs. A store made
+        before blob directories existed (its blobs directly under ``--blobs``) has its entries' blobs moved into its
+        directory, once, in the writers' transaction that records it (moves are idempotent: a crash midway resumes)."""
+        if conn.execute("SELECT 1 FROM meta WHERE key = 'blob_dir'").fetchone() is not None:
+            return
+        name = f"{self.schema}-{secrets.token_hex(6)}"
+        fs, root = self._root_fs, self._root_path.rstrip("/")
+        fs.makedirs(f"{root}/{name}", exist_ok=True)
+        moved = 0
+        for (layout,) in conn.execute("SELECT layout FROM entries"):
+            for key in json.loads(layout)["blobs"]:
+                for src, dest in ((f"{root}/{key}", f"{root}/{name}/{key}"),
+                                  (f"{root}/.{key}{STAGED_SUFFIX}", f"{root}/{name}/.{key}{STAGED_SUFFIX}")):
+                    if fs.exists(src):
+                        fs.mv(src, dest)
+                        moved += 1
+        conn.execute("INSERT INTO meta VALUES ('blob_dir', %s)", (name,))
+        if moved:
+            log.warning("moved %d blob(s) of the cache store in schema %s into its own directory %s/%s",
+                        moved, self.schema, self.blobs_root, name)
 
     @contextmanager
     def _tx(self, *, write: bool = False, snapshot: bool = False, timeout_ms: int | None = None) -> Iterator[Any]:
@@ -302,11 +313,6 @@ class SharedStore:
         else:
             log.debug("shared cache store unavailable in %s: %s", what, exc)
 
-    def _warn_once(self, key: str, msg: str, *args: object) -> None:
-        level = logging.DEBUG if key in self._warned else logging.WARNING
-        self._warned.add(key)
-        log.log(level, msg, *args)
-
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -317,161 +323,31 @@ class SharedStore:
                 self._conn = None
             self._scopes.clear()
 
-    def __enter__(self) -> SharedStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"SharedStore({_redact(self.url)!r}, blobs={self.blobs_url!r})"
 
-    @property
-    def index_backend(self) -> str:
-        return self._backend
-
-    @property
-    def bytes_read(self) -> int:
-        """Bytes this process read from the shared blob storage (local read-through hits not counted)."""
-        return self.remote.bytes_read
-
-    # -- settings --------------------------------------------------------------------------------------
-
-    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: Any = None) -> CacheSettings:
-        """Store the whole store's capacity (bytes; None: unbounded) and eviction policy, for every replica; a lowered
-        capacity evicts down to it at once. Returns the settings now in force."""
-        if capacity_bytes is not UNSET and capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-                raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
-        name = None if eviction is None else _policy_name(eviction)
-        with self._tx(write=True) as c:
-            new = self._settings(c)
-            if capacity_bytes is not UNSET:
-                new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
-            if name is not None:
-                new = dataclasses.replace(new, eviction=name)
-            self._set_meta(c, "capacity_bytes", "none" if new.capacity_bytes is None else str(int(new.capacity_bytes)))
-            self._set_meta(c, "eviction", new.eviction)
-            removed: list[tuple[str, dict[str, Any]]] = []
-            if new.capacity_bytes is not None:
-                victims, _ = self._victims(c, self._total_bytes(c) - new.capacity_bytes, new)
-                removed = self._delete(c, victims)
-        self._delete_blobs(removed)
-        return new
-
-    def _settings(self, c: Any) -> CacheSettings:
-        rows = dict(c.execute("SELECT key, value FROM meta WHERE key IN ('capacity_bytes', 'eviction')").fetchall())
-        cap = rows.get("capacity_bytes")
-        return CacheSettings(capacity_bytes=None if cap in (None, "none") else int(cap), eviction=rows.get("eviction") or "lru")
-
-    @staticmethod
-    def _set_meta(c: Any, key: str, value: str) -> None:
-        c.execute("INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value", (key, value))
+    def _origin(self) -> FsspecBlobStore:
+        return self.remote
 
     # -- writing ----------------------------------------------------------------------------------------
 
-    def admit(self, spec: StoreSpec) -> str | None:
-        """Store one completed request (see :meth:`CacheStore.admit`); None when it cannot fit, the store is read-only,
-        or PostgreSQL is unreachable (then counted in :attr:`unavailable`)."""
-        if not isinstance(spec, StoreSpec):
-            raise TypeError(f"admit takes a StoreSpec, not {type(spec).__name__}")
-        _check_scope(spec.tenant, spec.compat_key)
-        if not isinstance(spec.prompt, str):
-            raise TypeError("prompt must be a string")
-        if not _finite(spec.steps_saved):
-            raise ValueError(f"steps_saved must be a finite number, got {spec.steps_saved!r}")
-        if VIDEO in spec.tensors:
-            raise ValueError(f"tensor name {VIDEO!r} is reserved for the video: pass it as StoreSpec.video")
-        extra = dict(spec.extra or {})
-        dump_extra(extra)
-        vec = _as_vector(spec.embedding)
-        if self.read_only:
-            self._warn_once("admit", "cache store %s is read-only: results are not stored", _redact(self.url))
-            return None
-        try:
-            return self._admit(spec, vec, extra)
-        except StoreUnavailable as exc:
-            self._note_unavailable("admit", exc)
-            return None
+    def _label(self) -> str:
+        return f"store {_redact(self.url)}"
 
-    def _admit(self, spec: StoreSpec, vec: np.ndarray, extra: dict[str, Any]) -> str | None:
+    def _blob_words(self) -> str:
+        return f"blob storage {self.blobs_url}"
+
+    def _scope_state(self, tenant: str, compat_key: str) -> tuple[int | None, CacheSettings]:
         with self._tx() as c:
-            dim = self._scope_dim(c, spec.tenant, spec.compat_key)
-            settings = self._settings(c)
-        if dim is not None and dim != vec.size:
-            raise CacheError(_dim_message(spec.tenant, spec.compat_key, dim, vec.size))
-        entry_id = uuid.uuid4().hex
-        blobs, layout = _pack(entry_id, spec.tensors, spec.video)
-        nbytes = sum(len(b) for b in blobs.values())
-        if settings.capacity_bytes is not None and nbytes > settings.capacity_bytes:
-            log.warning("not caching a %d-byte entry: it is larger than the cache's whole capacity of %d bytes", nbytes,
-                        settings.capacity_bytes)
-            return None
-        now = self._clock()
-        meta = EntryMeta(
-            id=entry_id, tenant=spec.tenant, compat_key=spec.compat_key, exact_key=spec.exact_key, prompt=spec.prompt,
-            negative_prompt=spec.negative_prompt, seed=None if spec.seed is None else int(spec.seed), created=now,
-            last_used=now, use_count=0, steps_saved=float(spec.steps_saved), nbytes=nbytes, embedding=vec, extra=extra,
-            content_key=spec.content_key,
-        )
-        try:
-            try:
-                for key, data in blobs.items():
-                    self._blobs.stage(key, data)
-            except OSError as exc:
-                raise CacheError(f"cannot write to blob storage {self.blobs_url}: {exc.strerror or exc}") from exc
-            del blobs
-            try:
-                removed = self._insert(meta, layout)
-            except _NoRoom as exc:
-                log.warning("not caching a %d-byte entry: %s", meta.nbytes, exc)
-                removed = None
-        except BaseException:
-            self._discard_staged(layout)
-            raise
-        if removed is None:
-            self._discard_staged(layout)
-            return None
-        for key in layout["blobs"]:
-            try:
-                self._blobs.publish(key)
-            except OSError as exc:  # readers publish it
-                log.debug("could not publish cache blob %s: %s", key, exc)
-        self._delete_blobs(removed)
-        return entry_id
+            return self._db.scope_dim(tenant, compat_key, c), self._db.settings(c)
 
-    def _insert(self, meta: EntryMeta, layout: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        with self._tx(write=True) as c:
-            for key in layout["blobs"]:
-                if not self._blobs.is_staged(key):  # the orphan sweep (under this lock) took it: we stalled too long
-                    raise CacheError(f"cache blob {key} of a new entry vanished from {self.blobs_url}")
-            dim = self._scope_dim(c, meta.tenant, meta.compat_key)
-            if dim is not None and dim != meta.embedding.size:
-                raise CacheError(_dim_message(meta.tenant, meta.compat_key, dim, meta.embedding.size))
-            settings = self._settings(c)
-            replaced = []
-            if meta.exact_key is not None:
-                replaced = [r[0] for r in c.execute(
-                    "SELECT id FROM entries WHERE tenant = %s AND exact_key = %s AND compat_key = %s",
-                    (meta.tenant, meta.exact_key, meta.compat_key))]
-            removed = self._delete(c, replaced)
-            need = self._total_bytes(c) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
-            victims, enough = self._victims(c, need, settings)
-            if not enough:
-                raise _NoRoom(f"eviction policy {settings.eviction} freed too little room in a cache of capacity "
-                              f"{settings.capacity_bytes} bytes")
-            removed += self._delete(c, victims)
-            c.execute(
-                f"INSERT INTO entries ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (meta.id, meta.tenant, meta.compat_key, meta.exact_key, meta.prompt, meta.negative_prompt,
-                 None if meta.seed is None else str(int(meta.seed)), meta.created, meta.last_used, int(meta.use_count),
-                 float(meta.steps_saved), int(meta.nbytes), np.ascontiguousarray(meta.embedding, dtype="<f4").tobytes(),
-                 dump_extra(meta.extra), json.dumps(layout, sort_keys=True, separators=(",", ":")), meta.content_key),
-            )
-            c.execute("INSERT INTO scopes VALUES (%s, %s, %s) ON CONFLICT (tenant, compat_key) DO UPDATE SET dim = EXCLUDED.dim",
-                      (meta.tenant, meta.compat_key, int(meta.embedding.size)))
-            self._add_bytes(c, meta.nbytes)
-        return removed
+    _admit = _available(None)(StorePolicy._admit)  # PostgreSQL unreachable: nothing stored (None), counted
+
+    def _writing(self) -> contextlib.AbstractContextManager[Any]:
+        return self._tx(write=True)
+
+    def _blob_place(self) -> str:
+        return self.blobs_url
 
     def _victims(self, c: Any, need: int, settings: CacheSettings) -> tuple[list[str], bool]:
         if need <= 0:
@@ -490,47 +366,7 @@ class SharedStore:
                     if freed >= need:
                         return chosen, True
                 offset += len(rows)
-        candidates = {e.id: e for e in self._all(c)}
-        chosen: list[str] = []
-        freed = 0
-        for victim in get_eviction(settings.eviction).victims(list(candidates.values()), need):
-            entry = candidates.pop(victim, None)
-            if entry is None:
-                continue
-            chosen.append(victim)
-            freed += entry.nbytes
-            if freed >= need:
-                return chosen, True
-        return chosen, False
-
-    def _delete(self, c: Any, ids: Iterable[str]) -> list[tuple[str, dict[str, Any]]]:
-        """Delete rows (inside a write transaction) and log the removals; ``(id, layout)`` of those that existed."""
-        ids = list(ids)
-        if not ids:
-            return []
-        rows = c.execute("DELETE FROM entries WHERE id = ANY(%s) RETURNING id, tenant, compat_key, layout, nbytes",
-                         (ids,)).fetchall()
-        for entry_id, tenant, ck, _, _ in rows:
-            c.execute("INSERT INTO removals (id, tenant, compat_key) VALUES (%s, %s, %s)", (entry_id, tenant, ck))
-        if rows:
-            c.execute("DELETE FROM removals WHERE seq <= (SELECT max(seq) FROM removals) - %s", (REMOVAL_LOG_KEEP,))
-            self._add_bytes(c, -sum(int(r[4]) for r in rows))
-        return [(r[0], json.loads(r[3])) for r in rows]
-
-    def _discard_staged(self, layout: dict[str, Any]) -> None:
-        for key in layout["blobs"]:
-            try:
-                self._blobs.delete(key)
-            except OSError as exc:  # an orphan: swept after the grace period
-                log.debug("could not delete staged cache blob %s: %s", key, exc)
-
-    def _delete_blobs(self, removed: Iterable[tuple[str, dict[str, Any]]]) -> None:
-        for _, layout in removed:
-            for key in layout["blobs"]:
-                try:
-                    self._blobs.delete(key)
-                except OSError as exc:  # an orphan: swept after the grace period
-                    log.warning("could not delete cache blob %s: %s", key, exc)
+        return policy.choose_victims(self._db.all(c), need, settings.eviction)
 
     @_available(False)
     def touch(self, entry_id: str, *, steps_saved: float | None = None) -> bool:
@@ -540,13 +376,7 @@ class SharedStore:
             return False
         try:
             with self._tx(timeout_ms=TOUCH_TIMEOUT_MS) as c:
-                if steps_saved is None:
-                    cur = c.execute("UPDATE entries SET last_used = %s, use_count = use_count + 1 WHERE id = %s",
-                                    (self._clock(), entry_id))
-                else:
-                    cur = c.execute("UPDATE entries SET last_used = %s, use_count = use_count + 1, steps_saved = %s "
-                                    "WHERE id = %s", (self._clock(), float(steps_saved), entry_id))
-                return cur.rowcount > 0
+                return self._db.touch(entry_id, self._clock(), steps_saved, c)
         except StoreUnavailable:
             raise
         except CacheError as exc:
@@ -558,64 +388,28 @@ class SharedStore:
         if isinstance(entry_ids, str):
             raise TypeError("evict takes a collection of entry ids, not one string")
         with self._tx(write=True) as c:
-            removed = self._delete(c, list(entry_ids))
+            removed = self._db.delete(c, list(entry_ids))
         self._delete_blobs(removed)
         return len(removed)
 
     def clear(self, tenant: str | None = None) -> int:
         """Delete every entry (of ``tenant``); how many were deleted."""
         with self._tx(write=True) as c:
-            where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
-            ids = [r[0] for r in c.execute(f"SELECT id FROM entries{where}", args)]
-            removed = self._delete(c, ids)
-            c.execute(f"DELETE FROM scopes{where}", args)
-            self._set_meta(c, "epoch", secrets.token_hex(8))
+            removed = self._db.delete_all(c, tenant)
         self._delete_blobs(removed)
         return len(removed)
 
     # -- single flight ----------------------------------------------------------------------------------
 
-    @contextmanager
-    def single_flight(self, tenant: str, exact_key: str, timeout_s: float = 600.0) -> Iterator[bool]:
-        """Hold the right to generate ``exact_key`` (across every replica): a lease row naming its holder and expiry,
-        as :meth:`CacheBank.single_flight`. PostgreSQL unreachable: enter at once, uncoordinated."""
-        if not isinstance(tenant, str) or not tenant or not isinstance(exact_key, str) or not exact_key:
-            raise ValueError("tenant and exact_key must be non-empty strings")
-        if not _finite(timeout_s) or timeout_s < 0:
-            raise ValueError(f"timeout_s must be a non-negative number, got {timeout_s!r}")
-        me = Lease(f"{uuid.uuid4().hex[:12]}:{threading.get_ident()}", _HOST, os.getpid(), 0.0)
-        deadline = time.monotonic() + timeout_s
-        waited = held = False
-        delay = 0.01
-        if not self.read_only:
-            while True:
-                try:
-                    held = self._take_lease(tenant, exact_key, me, timeout_s)
-                except StoreUnavailable as exc:
-                    self._note_unavailable("single_flight", exc)
-                    break
-                except (CacheError, OSError) as exc:
-                    self._warn_once("lease", "single-flight lease unavailable (%s); generating without it", exc)
-                    break
-                if held:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.warning("waited %.0f s for another worker generating the same request; generating it too", timeout_s)
-                    break
-                waited = True
-                time.sleep(min(delay, left))
-                delay = min(delay * 1.5, 0.2)
-        try:
-            yield waited
-        finally:
-            if held:
-                try:
-                    with self._tx() as c:
-                        c.execute("DELETE FROM leases WHERE tenant = %s AND exact_key = %s AND holder = %s",
-                                  (tenant, exact_key, me.holder))
-                except (CacheError, OSError) as exc:  # it expires by itself
-                    log.debug("could not release a single-flight lease: %s", exc)
+    def _lease_unavailable(self, exc: Exception) -> None:
+        if isinstance(exc, StoreUnavailable):  # PostgreSQL unreachable: enter at once, uncoordinated
+            self._note_unavailable("single_flight", exc)
+        else:
+            super()._lease_unavailable(exc)
+
+    def _drop_lease(self, tenant: str, exact_key: str, holder: str) -> None:
+        with self._tx() as c:
+            self._db.drop_lease(c, tenant, exact_key, holder)
 
     def _take_lease(self, tenant: str, exact_key: str, me: Lease, ttl_s: float) -> bool:
         with self._tx() as c:
@@ -624,7 +418,7 @@ class SharedStore:
             now = time.time()
             if row is not None:
                 cur = Lease(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
-                if cur.expires > now and not (cur.host == _HOST and not _pid_alive(cur.pid)):
+                if policy.lease_held(cur, now):
                     return False
             # ON CONFLICT: another replica inserted the first lease at the same moment; the row lock decides
             got = c.execute(
@@ -637,52 +431,11 @@ class SharedStore:
 
     # -- reading ---------------------------------------------------------------------------------------
 
-    @_available(None)
-    def load(self, entry_id: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor] | None:
-        """The entry's tensors (all, or ``names``; :data:`VIDEO` for its video), each checked against its sha256;
-        None when gone or bad (a bad entry is quarantined, a vanished blob drops its row). ``KeyError`` for names the
-        entry never had."""
-        if isinstance(names, str):
-            raise TypeError("names must be a collection of tensor names, not one string")
+    load = _available(None)(StorePolicy.load)
+
+    def _layout(self, entry_id: str) -> dict[str, Any] | None:
         with self._tx() as c:
-            row = c.execute("SELECT layout FROM entries WHERE id = %s", (entry_id,)).fetchone()
-        if row is None:
-            return None
-        layout = json.loads(row[0])
-        available = layout["tensors"]
-        wanted = list(available) if names is None else list(names)
-        missing = [n for n in wanted if n not in available]
-        if missing:
-            raise KeyError(f"cache entry {entry_id} has no tensors named {missing}; it has {sorted(available)}")
-        try:
-            return read_tensors(self._blobs, layout, wanted)
-        except FileNotFoundError:
-            self._drop_missing(entry_id, layout)
-        except CorruptEntryError as exc:
-            self._quarantine(entry_id, layout, str(exc))
-        return None
-
-    def _quarantine(self, entry_id: str, layout: dict[str, Any], reason: str) -> bool:
-        if self.read_only:
-            log.warning("cache entry %s is corrupt (%s); the store is read-only, so it stays (a miss)", entry_id, reason)
-            return True
-        dests = [d for d in (self._safe(self._blobs.quarantine, k) for k in layout["blobs"]) if d]
-        with self._tx(write=True) as c:
-            existed = bool(self._delete(c, [entry_id]))
-        log.warning("cache entry %s is corrupt (%s); %s and dropped it from the cache", entry_id, reason,
-                    f"moved its blobs to {', '.join(dests)}" if dests else "its blobs were already gone")
-        return existed
-
-    def _drop_missing(self, entry_id: str, layout: dict[str, Any]) -> bool:
-        if self.read_only:
-            log.warning("cache entry %s lost a blob; the store is read-only, so its row stays (a miss)", entry_id)
-            return True
-        with self._tx(write=True) as c:
-            removed = self._delete(c, [entry_id])
-        self._delete_blobs(removed)
-        if removed:
-            log.warning("cache entry %s lost a blob; dropped it from the cache", entry_id)
-        return bool(removed)
+            return self._db.layout(entry_id, c)
 
     @staticmethod
     def _safe(fn: Callable[[str], str | None], key: str) -> str | None:
@@ -692,84 +445,17 @@ class SharedStore:
             log.warning("could not move cache blob %s aside: %s", key, exc)
             return None
 
-    @_available(list)
-    def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
-               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
-        """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, best first (ties: older
-        first); with ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best
-        first. This replica's index is first brought up to date with PostgreSQL."""
-        _check_scope(tenant, compat_key)
-        if k <= 0:
-            return []
-        query = _as_vector(embedding)
-        with self._tx(snapshot=True) as c:
-            dim = self._scope_dim(c, tenant, compat_key)
-            if dim is None:
-                return []
-            if dim != query.size:
-                raise CacheError(_dim_message(tenant, compat_key, dim, query.size))
-            index = self._scope_index(c, tenant, compat_key, dim)
-            hits = index.search(query, k)
-            if content_key is not None:
-                seen = {h[0] for h in hits}
-                same = [r[0] for r in c.execute(
-                    "SELECT id FROM entries WHERE tenant = %s AND compat_key = %s AND content_key = %s "
-                    "ORDER BY seq DESC LIMIT %s", (tenant, compat_key, content_key, k + len(hits)))]
-                hits += index.score([i for i in same if i not in seen][:k], query)
-            metas = self._get_many(c, [h[0] for h in hits])
-        return [(metas[i], score) for i, score in hits if i in metas]
+    recall = _available(list)(StorePolicy.recall)
+    same_content = _available(list)(StorePolicy.same_content)
 
-    @_available(list)
-    def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
-        """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first (read from
-        PostgreSQL; no index sync: no embedding is searched)."""
-        _check_scope(tenant, compat_key)
-        if k <= 0:
-            return []
-        with self._tx(snapshot=True) as c:
-            ids = [r[0] for r in c.execute(
-                "SELECT id FROM entries WHERE tenant = %s AND compat_key = %s AND content_key = %s "
-                "ORDER BY seq DESC LIMIT %s", (tenant, compat_key, content_key, k))]
-            metas = self._get_many(c, ids)
-        return [metas[i] for i in ids if i in metas]
+    def _reading(self) -> contextlib.AbstractContextManager[Any]:
+        return self._tx(snapshot=True)
 
     def sync(self, tenant: str, compat_key: str) -> int:
         """Bring this replica's index of one scope up to date now; how many entries it holds (for benchmarks)."""
         with self._tx(snapshot=True) as c:
-            dim = self._scope_dim(c, tenant, compat_key)
+            dim = self._db.scope_dim(tenant, compat_key, c)
             return 0 if dim is None else len(self._scope_index(c, tenant, compat_key, dim))
-
-    def _sync_state(self, c: Any) -> SyncState:
-        epoch = c.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
-        eseq = c.execute("SELECT coalesce(max(seq), 0) FROM entries").fetchone()[0]
-        rmin, rmax = c.execute("SELECT min(seq), coalesce(max(seq), 0) FROM removals").fetchone()
-        return SyncState(epoch=epoch[0] if epoch else "", entry_seq=int(eseq), removal_seq=int(rmax),
-                         oldest_logged_removal=None if rmin is None else int(rmin))
-
-    def _scope_index(self, c: Any, tenant: str, compat_key: str, dim: int) -> ScopeIndex:
-        """This replica's index of one scope, brought up to date with the snapshot ``c`` sees (the bank's design: the
-        entry sequence gives what was added since, the removal log what was removed; a new epoch, a changed size or
-        a log that no longer reaches back far enough rebuilds it)."""
-        state = self._sync_state(c)
-        key = (tenant, compat_key)
-        scope = self._scopes.get(key)
-        covers = state.oldest_logged_removal is not None and scope is not None and \
-            state.oldest_logged_removal <= scope.removal_seq + 1
-        if (scope is None or scope.epoch != state.epoch or scope.index.dim != dim
-                or (state.removal_seq > scope.removal_seq and not covers)):
-            index = ScopeIndex(dim, self._backend)
-            self._add_rows(c, index, tenant, compat_key, 0)
-            self._scopes[key] = _Scope(index, state.epoch, state.entry_seq, state.removal_seq)
-            return index
-        if state.removal_seq > scope.removal_seq:
-            gone = [r[0] for r in c.execute("SELECT id FROM removals WHERE tenant = %s AND compat_key = %s AND seq > %s",
-                                            (tenant, compat_key, scope.removal_seq))]
-            scope.index.remove(gone)
-            scope.removal_seq = state.removal_seq
-        if state.entry_seq > scope.entry_seq:
-            self._add_rows(c, scope.index, tenant, compat_key, scope.entry_seq)
-            scope.entry_seq = state.entry_seq
-        return scope.index
 
     @staticmethod
     def _add_rows(c: Any, index: ScopeIndex, tenant: str, compat_key: str, after: int, chunk: int = 20000) -> None:
@@ -786,140 +472,90 @@ class SharedStore:
             index.add([str(i) for i, _ in rows], vecs.astype(np.float32))
         cur.close()
 
-    @staticmethod
-    def _scope_dim(c: Any, tenant: str, compat_key: str) -> int | None:
-        row = c.execute("SELECT dim FROM scopes WHERE tenant = %s AND compat_key = %s", (tenant, compat_key)).fetchone()
-        if row is None:
-            return None
-        if c.execute("SELECT 1 FROM entries WHERE tenant = %s AND compat_key = %s LIMIT 1", (tenant, compat_key)).fetchone() is None:
-            return None
-        return int(row[0])
-
     @_available(None)
     def lookup_exact(self, tenant: str, exact_key: str, compat_key: str | None = None) -> EntryMeta | None:
         """The entry admitted with ``exact_key`` for ``tenant`` (and ``compat_key``, if given), or None."""
         if not isinstance(tenant, str) or not tenant:
             raise ValueError("tenant must be a non-empty string")
-        sql = f"SELECT {_COLUMNS} FROM entries WHERE tenant = %s AND exact_key = %s"
-        args: list[Any] = [tenant, exact_key]
-        if compat_key is not None:
-            sql += " AND compat_key = %s"
-            args.append(compat_key)
         with self._tx() as c:
-            row = c.execute(sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
-        return None if row is None else _to_meta(row)
+            return self._db.by_exact_key(tenant, exact_key, compat_key, c)
 
     @_available(None)
     def get(self, entry_id: str) -> EntryMeta | None:
         with self._tx() as c:
-            row = c.execute(f"SELECT {_COLUMNS} FROM entries WHERE id = %s", (entry_id,)).fetchone()
-        return None if row is None else _to_meta(row)
-
-    def _get_many(self, c: Any, ids: list[str]) -> dict[str, EntryMeta]:
-        if not ids:
-            return {}
-        return {m.id: m for m in (_to_meta(r) for r in c.execute(f"SELECT {_COLUMNS} FROM entries WHERE id = ANY(%s)", (ids,)))}
-
-    def _all(self, c: Any, tenant: str | None = None) -> list[EntryMeta]:
-        where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
-        return [_to_meta(r) for r in c.execute(f"SELECT {_COLUMNS} FROM entries{where} ORDER BY seq", args)]
-
-    @staticmethod
-    def _total_bytes(c: Any) -> int:
-        return int(c.execute("SELECT value FROM meta WHERE key = 'total_bytes'").fetchone()[0])
-
-    @staticmethod
-    def _add_bytes(c: Any, n: int) -> None:
-        if n:
-            c.execute("UPDATE meta SET value = (value::bigint + %s)::text WHERE key = 'total_bytes'", (int(n),))
+            return self._db.get(entry_id, c)
 
     def entries(self, tenant: str | None = None) -> list[EntryMeta]:
         """All entries (of ``tenant``), oldest admission first."""
         with self._tx() as c:
-            return self._all(c, tenant)
+            return self._db.all(c, tenant)
 
     def stats(self, tenant: str | None = None) -> BankStats:
-        where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
         with self._tx() as c:
-            per = {str(t): TenantStats(count=int(n), bytes=int(b)) for t, n, b in c.execute(
-                f"SELECT tenant, count(*), coalesce(sum(nbytes), 0) FROM entries{where} GROUP BY tenant ORDER BY tenant", args)}
-            settings = self._settings(c)
+            per = {t: TenantStats(count=n, bytes=b) for t, n, b in self._db.per_tenant(tenant, c)}
+            settings = self._db.settings(c)
         return BankStats(count=sum(s.count for s in per.values()), bytes=sum(s.bytes for s in per.values()),
                          capacity_bytes=settings.capacity_bytes, tenants=per, eviction=settings.eviction)
-
-    def __len__(self) -> int:
-        return self.stats().count
-
-    def __contains__(self, entry_id: object) -> bool:
-        return isinstance(entry_id, str) and self.get(entry_id) is not None
 
     # -- maintenance ------------------------------------------------------------------------------------
 
     def verify(self, *, tenant: str | None = None, orphan_grace_s: float | None = None) -> VerifyReport:
         """Read every blob of every entry (of ``tenant``) whole and check it; quarantine bad ones, drop entries whose
-        blob is gone. For the whole store also sweep orphan blobs (no row, older than the grace period)."""
+        blob is gone. For the whole store also report entries whose row is gone while their blobs remain (*lost*:
+        the database lost them; their blobs are removed), and sweep leftovers (blobs of removed entries, staged blobs of
+        admissions that never committed, older than the grace period). Only this store's blob directory is read."""
         report = VerifyReport(read_only=self.read_only, tenant=tenant)
         with self._tx() as c:
             where, args = ("", ()) if tenant is None else (" WHERE tenant = %s", (tenant,))
             layouts = [(str(i), json.loads(lay)) for i, lay in c.execute(f"SELECT id, layout FROM entries{where} ORDER BY seq", args)]
-        for entry_id, layout in layouts:
-            try:
-                check_blobs(self.remote, layout)  # the shared copy itself, not this replica's cached ranges
-            except FileNotFoundError:
-                if self._drop_missing(entry_id, layout):
-                    report.missing.append(entry_id)
-                continue
-            except CorruptEntryError as exc:
-                if self._quarantine(entry_id, layout, str(exc)):
-                    report.quarantined.append(entry_id)
-                continue
-            report.checked += 1
+        self._check_entries(report, layouts)  # the shared copy itself, not this replica's cached ranges
         if tenant is None:
-            report.orphans_removed = self.sweep(self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s))
+            grace = self.orphan_grace_s if orphan_grace_s is None else float(orphan_grace_s)
+            report.lost, report.orphans_removed = self._sweep(grace, remove_lost=True)
         return report
 
     def sweep(self, grace_s: float | None = None) -> list[str]:
-        """Remove blobs without a row older than ``grace_s`` (default: the store's grace period): admissions that
-        never committed, and blobs of removed entries whose deletion failed. Publishes staged blobs of committed
-        rows. Returns the names removed. Runs under the writers' lock, so no admission commits a row for a blob being
-        removed (an admission re-checks its staged blobs inside its own write transaction)."""
-        if self.read_only:
-            return []
-        grace = self.orphan_grace_s if grace_s is None else float(grace_s)
+        """Remove leftovers older than ``grace_s`` (default: the store's grace period): blobs of removed entries
+        whose deletion failed, staged blobs of admissions that never committed; publish staged blobs of committed
+        rows. Blobs of lost entries stay (for :meth:`verify` to report). Returns the names removed."""
+        return self._sweep(self.orphan_grace_s if grace_s is None else float(grace_s), remove_lost=False)[1]
+
+    def _sweep(self, grace_s: float, *, remove_lost: bool) -> tuple[list[str], list[str]]:
+        """Sort out this store's blobs without a row: published blobs of logged removals and staged blobs are leftovers,
+        removed once older than ``grace_s``; published blobs of entries never removed are *lost* (returned, removed
+        when ``remove_lost``). Runs under the writers' lock, so no admission commits a row for a blob being removed (an
+        admission re-checks its staged blobs inside its own write transaction). Returns (lost ids, leftovers
+        removed); read-only: removes nothing."""
         files = self._blobs.scan()
         if not files:
-            return []
-        cutoff = time.time() - grace
+            return [], []
+        cutoff = time.time() - grace_s
+        lost: set[str] = set()
         removed: list[str] = []
-        with self._tx(write=True) as c:
-            known = {r[0] for r in c.execute("SELECT id FROM entries")}
+        with self._tx(write=not self.read_only) as c:
+            known = {r[0] for r in c.execute("SELECT id FROM entries")}  # read after listing: see _sweep's docstring
+            logged = {r[0] for r in c.execute("SELECT id FROM removals")}
             for f in files:
                 if f.entry_id in known:
-                    if f.staged:
+                    if f.staged and not self.read_only:
                         self._safe(lambda k: str(self._blobs.publish(k)), f.key)
                     continue
-                if f.mtime > cutoff:
+                if not f.staged and f.entry_id not in logged:
+                    lost.add(f.entry_id)
+                    if not remove_lost:
+                        continue
+                elif f.mtime > cutoff:
+                    continue
+                if self.read_only:
                     continue
                 try:
-                    if self._blobs.remove(f):
+                    if self._blobs.remove(f) and f.entry_id not in lost:
                         removed.append(f.name)
                 except OSError as exc:
                     log.warning("could not delete orphan cache blob %s: %s", f.name, exc)
         if removed:
-            log.info("removed %d orphan blob(s) from %s", len(removed), self.blobs_url)
-        return sorted(removed)
-
-
-def _to_meta(row: Any) -> EntryMeta:
-    (id_, tenant, ck, ek, prompt, neg, seed, created, last_used, use_count, steps_saved, nbytes, emb, extra, lay, content) = row
-    return EntryMeta(
-        id=str(id_), tenant=str(tenant), compat_key=str(ck), exact_key=ek, prompt=str(prompt), negative_prompt=neg,
-        seed=None if seed is None else int(seed), created=float(created), last_used=float(last_used),
-        use_count=int(use_count), steps_saved=float(steps_saved), nbytes=int(nbytes),
-        embedding=np.frombuffer(bytes(emb), dtype="<f4").astype(np.float32),
-        extra=json.loads(extra) if extra else {}, tensor_names=tuple(sorted(json.loads(lay)["tensors"])),
-        content_key=content,
-    )
+            log.info("removed %d leftover blob(s) from %s", len(removed), self.blobs_url)
+        return sorted(lost), sorted(removed)
 
 
 def _redact(url: str) -> str:

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from pydantic_core import PydanticCustomError
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
@@ -155,7 +155,10 @@ def _request_model(policies: tuple[str, ...], max_steps: int) -> type[BaseModel]
                                   BeforeValidator(_finite)] | None = None
         policy: Policy = Field("carnator", description="how cached work is reused")  # type: ignore[valid-type]
         cache: Literal["reuse", "exact", "off"] = Field("reuse", description="what the job may take from the cache: reuse "
-                                                        "(exact hits and approximate reuse), exact (exact hits only), off")
+                                                        "(exact hits and approximate reuse), exact (exact hits only), off "
+                                                        "(nothing: the job runs in full)")
+        store: StrictBool = Field(True, description="keep the result in the cache for later jobs (false: the job "
+                                                    "writes nothing; with cache off it touches no cache at all)")
 
     return VideoRequest
 

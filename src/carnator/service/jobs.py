@@ -1,9 +1,12 @@
-"""The job table of ``carnator serve``: the :class:`JobStore` protocol and :class:`SqliteJobStore`, its local
-implementation (SQLite in WAL mode beside the cache, videos of finished jobs in ``videos/``); the PostgreSQL one,
-used with ``--store postgresql://...``, is :class:`carnator.service.pgjobs.PostgresJobStore`.
+"""The job table of ``carnator serve``: the :class:`JobStore` protocol and :class:`SqlJobStore`, its one
+implementation over SQLAlchemy Core: :class:`SqliteJobStore` (SQLite in WAL mode beside the cache, videos of finished
+jobs in ``videos/``) and, with ``--store postgresql://...``, :class:`carnator.service.pgjobs.PostgresJobStore`. The
+tables are written once (:func:`job_tables`); each database adds only how it connects, serialises a submission and
+fails (a full disk for SQLite, an unreachable server for PostgreSQL). The schema carries a version, and
+:data:`MIGRATIONS` upgrade an older table in place when it is opened.
 
 Nothing else in the service touches the database or the video files: the worker and the HTTP layer call these
-methods only, so a shared implementation (PostgreSQL + object storage, for several replicas) can take its place.
+methods only.
 
 A job moves ``queued -> in_progress -> completed | failed | cancelled``. Rules every implementation keeps:
 
@@ -14,6 +17,12 @@ A job moves ``queued -> in_progress -> completed | failed | cancelled``. Rules e
 * ``recover`` (at start-up, when no worker of the previous run is alive) requeues jobs left ``in_progress`` while
   they have attempts left, and fails the others with a reason; a job whose cancellation was asked is cancelled.
 * Videos are published (durably) before the row that says the job completed is committed.
+
+How the two databases keep them: SQLite takes its write lock at the start of every transaction (``BEGIN
+IMMEDIATE``), so claims, limits and keys are checked and changed by one writer at a time; PostgreSQL claims with
+``SELECT ... FOR UPDATE SKIP LOCKED`` (two claimers never take one job, neither waits on the other's row), ``finish``
+and ``cancel`` lock the job's row, and a submission takes a transaction-scoped advisory lock (limits hold across
+processes).
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import sqlalchemy as sa
+
 log = logging.getLogger("carnator.service")
 R = TypeVar("R")
 
@@ -47,7 +58,6 @@ VIDEO_DIR = "videos"
 RESERVE_FILE = "jobs.reserve"
 #: bytes held back on the job table's disk, released when a full disk would stop a job's state change
 RESERVE_BYTES = 1 << 20
-SCHEMA_VERSION = "1"
 
 
 class JobStoreError(Exception):
@@ -165,43 +175,95 @@ class JobStore(Protocol):
         """Release the store."""
 
 
-_SCHEMA = [
-    """CREATE TABLE IF NOT EXISTS jobs (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        id TEXT UNIQUE NOT NULL,
-        tenant TEXT NOT NULL,
-        status TEXT NOT NULL,
-        params TEXT NOT NULL,
-        idempotency_key TEXT,
-        request_hash TEXT,
-        progress INTEGER NOT NULL DEFAULT 0,
-        attempts INTEGER NOT NULL DEFAULT 0,
-        cancel_requested INTEGER NOT NULL DEFAULT 0,
-        worker TEXT,
-        created_at REAL NOT NULL,
-        started_at REAL,
-        completed_at REAL,
-        error TEXT,
-        stats TEXT,
-        videos TEXT
-    )""",
-    "CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL",
-    "CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (status, tenant, seq)",
-    "CREATE INDEX IF NOT EXISTS jobs_tenant ON jobs (tenant, seq)",
-    """CREATE TABLE IF NOT EXISTS job_log (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        job_id TEXT NOT NULL,
-        kind TEXT NOT NULL,
-        attempt INTEGER NOT NULL,
-        at REAL NOT NULL,
-        detail TEXT
-    )""",
-    "CREATE INDEX IF NOT EXISTS job_log_job ON job_log (job_id, seq)",
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-]
+#: Table names per database. The PostgreSQL tables share a schema with the cache store's, hence the prefix.
+TABLE_NAMES = {"sqlite": ("jobs", "job_log", "meta"),
+               "postgresql": ("carnator_jobs", "carnator_job_events", "carnator_jobs_meta")}
 
-_COLUMNS = ("id, tenant, status, params, progress, attempts, cancel_requested, started_at, completed_at, error, stats, "
-            "videos, idempotency_key, worker, created_at")
+
+@dataclass(frozen=True)
+class JobTables:
+    metadata: sa.MetaData
+    jobs: sa.Table
+    events: sa.Table
+    meta: sa.Table
+
+
+def job_tables(dialect: str) -> JobTables:
+    """The job table's schema, for both databases (only the names differ, see :data:`TABLE_NAMES`)."""
+    jobs_name, events_name, meta_name = TABLE_NAMES[dialect]
+    md = sa.MetaData()
+    seq = sa.BigInteger().with_variant(sa.Integer(), "sqlite")  # SQLite: INTEGER PRIMARY KEY is the rowid
+    jobs = sa.Table(
+        jobs_name, md,
+        sa.Column("seq", seq, primary_key=True, autoincrement=True),
+        sa.Column("id", sa.Text, unique=True, nullable=False),
+        sa.Column("tenant", sa.Text, nullable=False),
+        sa.Column("status", sa.Text, nullable=False),
+        sa.Column("params", sa.Text, nullable=False),
+        sa.Column("idempotency_key", sa.Text),
+        sa.Column("request_hash", sa.Text),
+        sa.Column("progress", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("cancel_requested", sa.Boolean(create_constraint=False), nullable=False, server_default=sa.false()),
+        sa.Column("worker", sa.Text),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("started_at", sa.Double),
+        sa.Column("completed_at", sa.Double),
+        sa.Column("error", sa.Text),
+        sa.Column("stats", sa.Text),
+        sa.Column("videos", sa.Text),
+        sqlite_autoincrement=True,
+    )
+    with_key = jobs.c.idempotency_key.isnot(None)
+    sa.Index(f"{jobs_name}_idempotency", jobs.c.tenant, jobs.c.idempotency_key, unique=True,
+             sqlite_where=with_key, postgresql_where=with_key)
+    sa.Index(f"{jobs_name}_queue", jobs.c.status, jobs.c.tenant, jobs.c.seq)
+    sa.Index(f"{jobs_name}_tenant", jobs.c.tenant, jobs.c.seq)
+    events = sa.Table(
+        events_name, md,
+        sa.Column("seq", seq, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.Text, nullable=False),
+        sa.Column("kind", sa.Text, nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
+        sa.Column("at", sa.Double, nullable=False),
+        sa.Column("detail", sa.Text),
+        sqlite_autoincrement=True,
+    )
+    sa.Index(f"{events_name}_job", events.c.job_id, events.c.seq)
+    meta = sa.Table(meta_name, md, sa.Column("key", sa.Text, primary_key=True), sa.Column("value", sa.Text, nullable=False))
+    return JobTables(md, jobs, events, meta)
+
+
+def _create(c: sa.Connection, t: JobTables) -> None:
+    t.metadata.create_all(c, checkfirst=True)
+
+
+#: The schema's versions: step N upgrades a table of version N-1 (0: none yet, or a PostgreSQL table of a release
+#: that kept no version; its tables are those of version 1) in place, inside the transaction that records N.
+MIGRATIONS: tuple[Callable[[sa.Connection, JobTables], None], ...] = (_create,)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(c: sa.Connection, t: JobTables) -> int:
+    """Bring the tables to :data:`SCHEMA_VERSION` (inside the caller's write transaction); the version found."""
+    t.meta.create(c, checkfirst=True)
+    found = c.execute(sa.select(t.meta.c.value).where(t.meta.c.key == "schema")).scalar()
+    version = int(found or 0)
+    if version > SCHEMA_VERSION:
+        raise JobStoreError(f"the job table was written by a newer carnator (schema {version}; this one knows "
+                            f"{SCHEMA_VERSION})")
+    for step in MIGRATIONS[version:]:
+        step(c, t)
+    if version < SCHEMA_VERSION:
+        if found is None:
+            c.execute(sa.insert(t.meta).values(key="schema", value=str(SCHEMA_VERSION)))
+        else:
+            c.execute(sa.update(t.meta).where(t.meta.c.key == "schema").values(value=str(SCHEMA_VERSION)))
+    return version
+
+
+_COLUMNS = ("id", "tenant", "status", "params", "progress", "attempts", "cancel_requested", "started_at", "completed_at",
+            "error", "stats", "videos", "idempotency_key", "worker", "created_at")
 
 
 def request_hash(body: Mapping[str, Any]) -> str:
@@ -239,6 +301,8 @@ class VideoFiles:
 
     @staticmethod
     def _publish(staged: Path, final: Path) -> None:
+        if not staged.exists() and final.exists():  # published by a transaction that then failed, run once more
+            return
         with open(staged, "rb") as f:
             os.fsync(f.fileno())
         staged.replace(final)
@@ -259,63 +323,366 @@ class VideoFiles:
                 p.unlink()
 
 
-class SqliteJobStore(VideoFiles):
+def _first_line(exc: BaseException) -> str:
+    inner = getattr(exc, "orig", None) or exc
+    return (str(inner).strip().splitlines() or [type(inner).__name__])[0]
+
+
+class SqlJobStore(VideoFiles):
+    """The job store over one database (SQLAlchemy Core). Every thread may call every method: one connection, used
+    under a lock. Subclasses say how to connect (:meth:`_open`) and what a failure means (:meth:`_failed`)."""
+
+    dialect = ""
+
+    def __init__(self, video_dir: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.video_dir = video_dir
+        self.video_dir.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._conn: sa.Connection | None = None
+        self._closed = False
+        self.tables = job_tables(self.dialect)
+
+    # ---- what a database adds ----------------------------------------------------------------
+    def _open(self) -> sa.Connection:
+        """A new connection, its tables migrated."""
+        raise NotImplementedError
+
+    def _failed(self, exc: BaseException, *, critical: bool, last: bool) -> None:
+        """A transaction failed with a database error or an OSError: raise (a :class:`JobStoreError`), or return to
+        run it once more."""
+        raise JobStoreError(f"job table: {_first_line(exc)}") from None
+
+    def _serialise_submit(self, c: sa.Connection) -> None:
+        """Make the submission's checks and insert one at a time (SQLite's write lock already does)."""
+
+    def _before(self) -> None:
+        """Runs before every transaction."""
+
+    def _after(self) -> None:
+        """Runs after every committed transaction."""
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _tx(self, fn: Callable[[sa.Connection], R], *, critical: bool = False) -> R:
+        """``fn(conn)`` in one transaction. ``critical``: a state change of an accepted job (see :meth:`_failed`)."""
+        with self._lock:
+            if self._closed:
+                raise JobStoreError("the job store is closed")
+            self._before()
+            for last in (False, True):
+                try:
+                    if self._conn is None or self._conn.closed or self._conn.invalidated:
+                        self._conn = self._open()
+                    with self._conn.begin():
+                        out = fn(self._conn)
+                    self._after()
+                    return out
+                except (sa.exc.DBAPIError, OSError) as exc:
+                    self._failed(exc, critical=critical, last=last)
+            raise AssertionError("unreachable")
+
+    def _log(self, c: sa.Connection, job_id: str, kind: str, attempt: int, detail: str | None = None) -> None:
+        c.execute(sa.insert(self.tables.events).values(job_id=job_id, kind=kind, attempt=attempt, at=self._clock(),
+                                                      detail=detail))
+
+    @staticmethod
+    def _job(row: Any) -> Job:
+        m = row._mapping
+        return Job(id=m["id"], tenant=m["tenant"], status=m["status"], params=json.loads(m["params"]),
+                   progress=int(m["progress"]), attempts=int(m["attempts"]), cancel_requested=bool(m["cancel_requested"]),
+                   started_at=m["started_at"], completed_at=m["completed_at"],
+                   error=json.loads(m["error"]) if m["error"] else None, stats=json.loads(m["stats"]) if m["stats"] else None,
+                   videos=json.loads(m["videos"]) if m["videos"] else [], idempotency_key=m["idempotency_key"],
+                   worker=m["worker"], created_at=m["created_at"])
+
+    def _select(self, *extra: Any) -> sa.Select:
+        j = self.tables.jobs
+        return sa.select(*(j.c[n] for n in _COLUMNS), *extra)
+
+    def _get(self, c: sa.Connection, job_id: str, tenant: str | None = None, *, lock: bool = False) -> Job | None:
+        j = self.tables.jobs
+        q = self._select().where(j.c.id == job_id)
+        if tenant is not None:
+            q = q.where(j.c.tenant == tenant)
+        row = c.execute(q.with_for_update() if lock else q).first()
+        return None if row is None else self._job(row)
+
+    def _set(self, c: sa.Connection, job_id: str, **values: Any) -> None:
+        c.execute(sa.update(self.tables.jobs).where(self.tables.jobs.c.id == job_id).values(**values))
+
+    # ---- the protocol ------------------------------------------------------------------------
+    def submit(self, tenant: str, params: Mapping[str, Any], *, idempotency_key: str | None = None,
+               request_hash: str | None = None, max_queued: int | None = None,
+               max_queued_per_tenant: int | None = None) -> tuple[Job, bool]:
+        j = self.tables.jobs
+        queued = sa.select(sa.func.count()).select_from(j).where(j.c.status == QUEUED)
+
+        def insert(c: sa.Connection) -> tuple[Job, bool]:
+            self._serialise_submit(c)
+            if idempotency_key is not None:
+                row = c.execute(self._select(j.c.request_hash).where(j.c.tenant == tenant,
+                                                                     j.c.idempotency_key == idempotency_key)).first()
+                if row is not None:
+                    if row.request_hash != request_hash:
+                        raise IdempotencyConflict("this Idempotency-Key was used with a different request")
+                    return self._job(row), False
+            if max_queued is not None:
+                n = c.execute(queued).scalar_one()
+                if n >= max_queued:
+                    raise QueueFull("queue_full", f"the queue is full ({max_queued} jobs waiting)", n)
+            if max_queued_per_tenant is not None:
+                n = c.execute(queued.where(j.c.tenant == tenant)).scalar_one()
+                if n >= max_queued_per_tenant:
+                    raise QueueFull("tenant_limit", f"you have {n} jobs waiting, the most one caller may queue", n)
+            job = Job(id=new_job_id(), tenant=tenant, status=QUEUED, params=dict(params), created_at=self._clock(),
+                      idempotency_key=idempotency_key)
+            c.execute(sa.insert(j).values(id=job.id, tenant=tenant, status=QUEUED, params=json.dumps(job.params),
+                                          idempotency_key=idempotency_key, request_hash=request_hash,
+                                          created_at=job.created_at))
+            self._log(c, job.id, "submitted", 0)
+            return job, True
+
+        return self._tx(insert)
+
+    def get(self, tenant: str, job_id: str) -> Job | None:
+        return self._tx(lambda c: self._get(c, job_id, tenant))
+
+    def list(self, tenant: str, *, limit: int = 20, after: str | None = None, order: str = "desc") -> tuple[list[Job], bool]:
+        j = self.tables.jobs
+
+        def page(c: sa.Connection) -> tuple[list[Job], bool]:
+            q = self._select().where(j.c.tenant == tenant)
+            if after is not None:
+                seq = c.execute(sa.select(j.c.seq).where(j.c.id == after, j.c.tenant == tenant)).scalar()
+                if seq is None:
+                    return [], False
+                q = q.where(j.c.seq < seq if order == "desc" else j.c.seq > seq)
+            rows = c.execute(q.order_by(j.c.seq.desc() if order == "desc" else j.c.seq).limit(limit + 1)).all()
+            return [self._job(r) for r in rows[:limit]], len(rows) > limit
+
+        return self._tx(page)
+
+    def queued_tenants(self) -> list[str]:
+        j = self.tables.jobs
+        q = sa.select(j.c.tenant).where(j.c.status == QUEUED).distinct().order_by(j.c.tenant)
+        return self._tx(lambda c: list(c.execute(q).scalars()))
+
+    def claim(self, tenant: str, worker: str) -> Job | None:
+        j = self.tables.jobs
+
+        def take(c: sa.Connection) -> Job | None:
+            jid = c.execute(sa.select(j.c.id).where(j.c.status == QUEUED, j.c.tenant == tenant).order_by(j.c.seq).limit(1)
+                            .with_for_update(skip_locked=True)).scalar()
+            if jid is None:
+                return None
+            self._set(c, jid, status=IN_PROGRESS, attempts=j.c.attempts + 1, worker=worker, started_at=self._clock(),
+                      progress=0)
+            job = self._get(c, jid)
+            assert job is not None
+            self._log(c, job.id, "claimed", job.attempts, worker)
+            return job
+
+        return self._tx(take, critical=True)
+
+    def update_progress(self, job_id: str, attempt: int, progress: int) -> bool:
+        j = self.tables.jobs
+
+        def update(c: sa.Connection) -> bool:
+            c.execute(sa.update(j).where(j.c.id == job_id, j.c.status == IN_PROGRESS, j.c.attempts == attempt)
+                      .values(progress=int(progress)))
+            return bool(c.execute(sa.select(j.c.cancel_requested).where(j.c.id == job_id)).scalar())
+
+        try:
+            return self._tx(update)
+        except JobStoreError as exc:  # bookkeeping never stops a job
+            log.debug("could not record the progress of %s: %s", job_id, exc)
+            return False
+
+    def finish(self, job_id: str, attempt: int, status: str, *, stats: Mapping[str, Any] | None = None,
+               error: Mapping[str, str] | None = None, videos: Mapping[str, Path] | None = None) -> bool:
+        if status not in TERMINAL:
+            raise ValueError(f"finish takes one of {TERMINAL}, not {status!r}")
+
+        def end(c: sa.Connection) -> bool:
+            job = self._get(c, job_id, lock=True)  # held until commit: no other finish, requeue or cancel between
+            if job is None or job.status != IN_PROGRESS or job.attempts != attempt:
+                self._discard(videos, job_id)
+                return False
+            published = []
+            if status == COMPLETED:
+                for variant, staged in (videos or {}).items():
+                    self._publish(Path(staged), self.video_dir / f"{job_id}.{variant}")
+                    published.append(variant)
+                if published:
+                    _fsync_dir(self.video_dir)
+            else:
+                self._discard(videos, job_id)
+            self._set(c, job_id, status=status, progress=100 if status == COMPLETED else job.progress,
+                      completed_at=self._clock(), stats=json.dumps(dict(stats)) if stats is not None else None,
+                      error=json.dumps(dict(error)) if error else None, videos=json.dumps(published))
+            self._log(c, job_id, status, attempt)
+            return True
+
+        try:
+            return self._tx(end, critical=True)
+        except JobStoreError:
+            self._discard(videos)
+            raise
+
+    def requeue(self, job_id: str, attempt: int, *, count_attempt: bool = False) -> bool:
+        j = self.tables.jobs
+
+        def back(c: sa.Connection) -> bool:
+            n = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status == IN_PROGRESS, j.c.attempts == attempt)
+                          .values(status=QUEUED, progress=0, worker=None, started_at=None,
+                                  attempts=j.c.attempts - (0 if count_attempt else 1))).rowcount
+            if n:
+                self._log(c, job_id, "requeued", attempt, "attempt counted" if count_attempt else "drained")
+            return bool(n)
+
+        return self._tx(back, critical=True)
+
+    def cancel(self, tenant: str, job_id: str) -> Job | None:
+        def stop(c: sa.Connection) -> Job | None:
+            job = self._get(c, job_id, tenant, lock=True)
+            if job is None:
+                return None
+            if job.status == QUEUED:
+                self._set(c, job_id, status=CANCELLED, completed_at=self._clock(), cancel_requested=True)
+                self._log(c, job_id, CANCELLED, job.attempts, "while queued")
+            elif job.status == IN_PROGRESS and not job.cancel_requested:
+                self._set(c, job_id, cancel_requested=True)
+                self._log(c, job_id, "cancel_requested", job.attempts)
+            return self._get(c, job_id)
+
+        return self._tx(stop, critical=True)
+
+    def recover(self, max_attempts: int) -> dict[str, list[str]]:
+        j = self.tables.jobs
+        out: dict[str, list[str]] = {"requeued": [], "failed": [], "cancelled": []}
+
+        def sweep(c: sa.Connection) -> None:
+            rows = c.execute(sa.select(j.c.id, j.c.attempts, j.c.cancel_requested).where(j.c.status == IN_PROGRESS)
+                             .order_by(j.c.seq).with_for_update()).all()
+            now = self._clock()
+            for jid, attempts, cancel in rows:
+                if cancel:
+                    self._set(c, jid, status=CANCELLED, completed_at=now)
+                    self._log(c, jid, CANCELLED, attempts, "cancellation asked before the server stopped")
+                    out["cancelled"].append(jid)
+                elif attempts >= max_attempts:
+                    err = {"type": "interrupted", "message": f"the server stopped during this job {attempts} time(s); "
+                                                             "it is not tried again"}
+                    self._set(c, jid, status=FAILED, completed_at=now, error=json.dumps(err))
+                    self._log(c, jid, FAILED, attempts, "attempts used up")
+                    out["failed"].append(jid)
+                else:
+                    self._set(c, jid, status=QUEUED, progress=0, worker=None, started_at=None)
+                    self._log(c, jid, "requeued", attempts, "the server stopped during this attempt")
+                    out["requeued"].append(jid)
+
+        self._tx(sweep, critical=True)
+        self._sweep_staging()
+        return out
+
+    def counts(self) -> dict[str, int]:
+        j = self.tables.jobs
+        got = dict(self._tx(lambda c: c.execute(sa.select(j.c.status, sa.func.count()).group_by(j.c.status)).all()))
+        return {s: int(got.get(s, 0)) for s in STATUSES}
+
+    def queued_count(self, tenant: str) -> int:
+        j = self.tables.jobs
+        q = sa.select(sa.func.count()).select_from(j).where(j.c.status == QUEUED, j.c.tenant == tenant)
+        return int(self._tx(lambda c: c.execute(q).scalar_one()))
+
+    def history(self, job_id: str) -> list[dict[str, Any]]:
+        e = self.tables.events
+        q = sa.select(e.c.kind, e.c.attempt, e.c.at, e.c.detail).where(e.c.job_id == job_id).order_by(e.c.seq)
+        return [{"kind": k, "attempt": a, "at": t, "detail": d} for k, a, t, d in self._tx(lambda c: c.execute(q).all())]
+
+    def healthy(self) -> str | None:
+        try:
+            self._tx(lambda c: c.execute(sa.select(1)))
+        except JobStoreError as exc:
+            return str(exc)
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._conn is not None:
+                with contextlib.suppress(Exception):
+                    self._conn.close()
+                self._conn = None
+            self._engine_dispose()
+
+    def _engine_dispose(self) -> None:
+        """Release the engine's pool (subclasses that keep one)."""
+
+
+class SqliteJobStore(SqlJobStore):
     """Jobs in ``<root>/jobs.sqlite`` (WAL), finished videos in ``<root>/videos/<job>.<variant>``.
 
-    ``root`` is the cache directory. One process serves a root at a time (``carnator serve`` holds a lock); within it
-    every thread may call every method. A small reserve file (:data:`RESERVE_BYTES`) is kept beside the database: when
-    the disk fills, it is released so that jobs already accepted can still be finished (failed, cancelled, requeued),
-    while new submissions are refused (:class:`StorageFull`) until there is room again.
+    ``root`` is the cache directory. One process serves a root at a time (``carnator serve`` holds a lock). A small
+    reserve file (:data:`RESERVE_BYTES`) is kept beside the database: when the disk fills, it is released so that
+    jobs already accepted can still be finished (failed, cancelled, requeued), while new submissions are refused
+    (:class:`StorageFull`) until there is room again.
     """
+
+    dialect = "sqlite"
 
     def __init__(self, root: str | os.PathLike[str], *, busy_timeout_s: float = 10.0, clock=time.time):
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.video_dir = self.root / VIDEO_DIR
-        self.video_dir.mkdir(exist_ok=True)
-        self._clock = clock
-        self._lock = threading.RLock()
+        super().__init__(self.root / VIDEO_DIR, clock=clock)
         self._reserve = self.root / RESERVE_FILE
         self._low_space = False
         self.path = self.root / DB_FILE
-        self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode = WAL")
-        self._conn.execute("PRAGMA synchronous = FULL")  # a job said completed stays completed across a power loss
-        self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-        def create(c: sqlite3.Connection) -> None:
-            for stmt in _SCHEMA:
-                c.execute(stmt)
-            c.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        self._engine = sa.create_engine(f"sqlite:///{self.path}", poolclass=sa.pool.NullPool,
+                                        connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
 
-        self._tx(create, critical=True)
+        @sa.event.listens_for(self._engine, "connect")
+        def _connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+            dbapi_conn.isolation_level = None  # transactions are begun below, not by the driver
+            dbapi_conn.execute("PRAGMA journal_mode = WAL")
+            dbapi_conn.execute("PRAGMA synchronous = FULL")  # a job said completed stays completed across a power loss
+            dbapi_conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+
+        @sa.event.listens_for(self._engine, "begin")
+        def _begin(conn: sa.Connection) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")  # the write lock first: one writer, no upgrade deadlock
+
+        with self._lock:
+            self._tx(lambda c: None, critical=True)
         self._ensure_reserve()
 
-    # ---- plumbing ----------------------------------------------------------------------------
-    def _tx(self, fn: Callable[[sqlite3.Connection], R], *, critical: bool = False) -> R:
-        """``fn(conn)`` in one write transaction (BEGIN IMMEDIATE). On a full disk a ``critical`` write (a state change of
-        an accepted job) releases the reserve and runs once more; others raise :class:`StorageFull`."""
-        with self._lock:
-            for last in (False, True):
-                try:
-                    self._conn.execute("BEGIN IMMEDIATE")
-                    try:
-                        out = fn(self._conn)
-                        self._conn.execute("COMMIT")
-                    except BaseException:
-                        with contextlib.suppress(sqlite3.Error):
-                            self._conn.execute("ROLLBACK")
-                        raise
-                    if self._low_space:
-                        self._ensure_reserve()
-                    return out
-                except (sqlite3.OperationalError, OSError) as exc:
-                    if not _is_full(exc):
-                        raise
-                    self._low_space = True
-                    if last or not critical or not self._release_reserve():
-                        raise StorageFull(f"the disk of {self.root} is full") from exc
-                    log.error("the disk of %s is full: released the job table's reserve to finish a job", self.root)
-            raise AssertionError("unreachable")
+    def _open(self) -> sa.Connection:
+        conn = self._engine.connect()
+        with conn.begin():
+            migrate(conn, self.tables)
+        return conn
+
+    def _failed(self, exc: BaseException, *, critical: bool, last: bool) -> None:
+        if not _is_full(getattr(exc, "orig", None) or exc):
+            super()._failed(exc, critical=critical, last=last)
+        self._low_space = True
+        if last or not critical or not self._release_reserve():
+            raise StorageFull(f"the disk of {self.root} is full") from None
+        log.error("the disk of %s is full: released the job table's reserve to finish a job", self.root)
+
+    def _after(self) -> None:
+        if self._low_space:
+            self._ensure_reserve()
+
+    def _engine_dispose(self) -> None:
+        self._engine.dispose()
+
+    def submit(self, tenant: str, params: Mapping[str, Any], **kw: Any) -> tuple[Job, bool]:
+        if self._low_space:
+            self._ensure_reserve()
+            if self._low_space:
+                raise StorageFull(f"the disk of {self.root} is full")
+        return super().submit(tenant, params, **kw)
 
     def _release_reserve(self) -> bool:
         try:
@@ -350,218 +717,10 @@ class SqliteJobStore(VideoFiles):
             free -= RESERVE_BYTES
         self._low_space = free < RESERVE_BYTES
 
-    def _log(self, c: sqlite3.Connection, job_id: str, kind: str, attempt: int, detail: str | None = None) -> None:
-        c.execute("INSERT INTO job_log (job_id, kind, attempt, at, detail) VALUES (?, ?, ?, ?, ?)",
-                  (job_id, kind, attempt, self._clock(), detail))
-
-    @staticmethod
-    def _job(row) -> Job:
-        (jid, tenant, status, params, progress, attempts, cancel, started, completed, error, stats, videos, key, worker,
-         created) = row
-        return Job(id=jid, tenant=tenant, status=status, params=json.loads(params), progress=int(progress),
-                   attempts=int(attempts), cancel_requested=bool(cancel), started_at=started, completed_at=completed,
-                   error=json.loads(error) if error else None, stats=json.loads(stats) if stats else None,
-                   videos=json.loads(videos) if videos else [], idempotency_key=key, worker=worker, created_at=created)
-
-    def _get(self, c: sqlite3.Connection, job_id: str) -> Job | None:
-        row = c.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else self._job(row)
-
-    # ---- the protocol ------------------------------------------------------------------------
-    def submit(self, tenant: str, params: Mapping[str, Any], *, idempotency_key: str | None = None,
-               request_hash: str | None = None, max_queued: int | None = None,
-               max_queued_per_tenant: int | None = None) -> tuple[Job, bool]:
-        if self._low_space:
-            self._ensure_reserve()
-            if self._low_space:
-                raise StorageFull(f"the disk of {self.root} is full")
-        def insert(c: sqlite3.Connection) -> tuple[Job, bool]:
-            if idempotency_key is not None:
-                row = c.execute(f"SELECT {_COLUMNS}, request_hash FROM jobs WHERE tenant = ? AND idempotency_key = ?",
-                                (tenant, idempotency_key)).fetchone()
-                if row is not None:
-                    if row[-1] != request_hash:
-                        raise IdempotencyConflict("this Idempotency-Key was used with a different request")
-                    return self._job(row[:-1]), False
-            if max_queued is not None:
-                n = c.execute("SELECT count(*) FROM jobs WHERE status = ?", (QUEUED,)).fetchone()[0]
-                if n >= max_queued:
-                    raise QueueFull("queue_full", f"the queue is full ({max_queued} jobs waiting)", n)
-            if max_queued_per_tenant is not None:
-                n = c.execute("SELECT count(*) FROM jobs WHERE status = ? AND tenant = ?", (QUEUED, tenant)).fetchone()[0]
-                if n >= max_queued_per_tenant:
-                    raise QueueFull("tenant_limit", f"you have {n} jobs waiting, the most one caller may queue", n)
-            job = Job(id=new_job_id(), tenant=tenant, status=QUEUED, params=dict(params), created_at=self._clock(),
-                      idempotency_key=idempotency_key)
-            c.execute("INSERT INTO jobs (id, tenant, status, params, idempotency_key, request_hash, created_at) "
-                      "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                      (job.id, tenant, QUEUED, json.dumps(job.params), idempotency_key, request_hash, job.created_at))
-            self._log(c, job.id, "submitted", 0)
-            return job, True
-
-        return self._tx(insert)
-
-    def get(self, tenant: str, job_id: str) -> Job | None:
-        with self._lock:
-            row = self._conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ? AND tenant = ?", (job_id, tenant)).fetchone()
-        return None if row is None else self._job(row)
-
-    def list(self, tenant: str, *, limit: int = 20, after: str | None = None, order: str = "desc") -> tuple[list[Job], bool]:
-        op, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
-        with self._lock:
-            args: list[Any] = [tenant]
-            where = "tenant = ?"
-            if after is not None:
-                row = self._conn.execute("SELECT seq FROM jobs WHERE id = ? AND tenant = ?", (after, tenant)).fetchone()
-                if row is None:
-                    return [], False
-                where += f" AND seq {op} ?"
-                args.append(row[0])
-            rows = self._conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE {where} ORDER BY seq {direction} LIMIT ?",
-                                      (*args, limit + 1)).fetchall()
-        return [self._job(r) for r in rows[:limit]], len(rows) > limit
-
-    def queued_tenants(self) -> list[str]:
-        with self._lock:
-            return [r[0] for r in self._conn.execute("SELECT DISTINCT tenant FROM jobs WHERE status = ? ORDER BY tenant", (QUEUED,))]
-
-    def claim(self, tenant: str, worker: str) -> Job | None:
-        def take(c: sqlite3.Connection) -> Job | None:
-            row = c.execute("SELECT id FROM jobs WHERE status = ? AND tenant = ? ORDER BY seq LIMIT 1", (QUEUED, tenant)).fetchone()
-            if row is None:
-                return None
-            c.execute("UPDATE jobs SET status = ?, attempts = attempts + 1, worker = ?, started_at = ?, progress = 0 "
-                      "WHERE id = ?", (IN_PROGRESS, worker, self._clock(), row[0]))
-            job = self._get(c, row[0])
-            self._log(c, job.id, "claimed", job.attempts, worker)
-            return job
-
-        return self._tx(take, critical=True)
-
-    def update_progress(self, job_id: str, attempt: int, progress: int) -> bool:
-        try:
-            def update(c: sqlite3.Connection):
-                c.execute("UPDATE jobs SET progress = ? WHERE id = ? AND status = ? AND attempts = ?",
-                          (int(progress), job_id, IN_PROGRESS, attempt))
-                return c.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
-
-            row = self._tx(update)
-            return bool(row and row[0])
-        except (JobStoreError, sqlite3.Error, OSError) as exc:  # bookkeeping never stops a job
-            log.debug("could not record the progress of %s: %s", job_id, exc)
-            return False
-
-    def finish(self, job_id: str, attempt: int, status: str, *, stats: Mapping[str, Any] | None = None,
-               error: Mapping[str, str] | None = None, videos: Mapping[str, Path] | None = None) -> bool:
-        if status not in TERMINAL:
-            raise ValueError(f"finish takes one of {TERMINAL}, not {status!r}")
-        with self._lock:
-            row = self._conn.execute("SELECT status, attempts FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if row is None or row[0] != IN_PROGRESS or row[1] != attempt:
-                self._discard(videos, job_id)
-                return False
-            published = []
-            if status == COMPLETED:
-                for variant, staged in (videos or {}).items():
-                    self._publish(Path(staged), self.video_dir / f"{job_id}.{variant}")
-                    published.append(variant)
-                if published:
-                    _fsync_dir(self.video_dir)
-            else:
-                self._discard(videos, job_id)
-            def end(c: sqlite3.Connection) -> bool:
-                cur = c.execute(
-                    "UPDATE jobs SET status = ?, progress = ?, completed_at = ?, stats = ?, error = ?, videos = ? "
-                    "WHERE id = ? AND status = ? AND attempts = ?",
-                    (status, 100 if status == COMPLETED else _progress_of(c, job_id), self._clock(),
-                     json.dumps(dict(stats)) if stats is not None else None, json.dumps(dict(error)) if error else None,
-                     json.dumps(published), job_id, IN_PROGRESS, attempt))
-                if cur.rowcount:
-                    self._log(c, job_id, status, attempt)
-                return bool(cur.rowcount)
-
-            return self._tx(end, critical=True)
-
-    def requeue(self, job_id: str, attempt: int, *, count_attempt: bool = False) -> bool:
-        def back(c: sqlite3.Connection) -> bool:
-            cur = c.execute("UPDATE jobs SET status = ?, progress = 0, worker = NULL, started_at = NULL, "
-                            "attempts = attempts - ? WHERE id = ? AND status = ? AND attempts = ?",
-                            (QUEUED, 0 if count_attempt else 1, job_id, IN_PROGRESS, attempt))
-            if cur.rowcount:
-                self._log(c, job_id, "requeued", attempt, "attempt counted" if count_attempt else "drained")
-            return bool(cur.rowcount)
-
-        return self._tx(back, critical=True)
-
-    def cancel(self, tenant: str, job_id: str) -> Job | None:
-        def stop(c: sqlite3.Connection) -> Job | None:
-            job = self._get(c, job_id)
-            if job is None or job.tenant != tenant:
-                return None
-            if job.status == QUEUED:
-                c.execute("UPDATE jobs SET status = ?, completed_at = ?, cancel_requested = 1 WHERE id = ?",
-                          (CANCELLED, self._clock(), job_id))
-                self._log(c, job_id, CANCELLED, job.attempts, "while queued")
-            elif job.status == IN_PROGRESS and not job.cancel_requested:
-                c.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
-                self._log(c, job_id, "cancel_requested", job.attempts)
-            return self._get(c, job_id)
-
-        return self._tx(stop, critical=True)
-
-    def recover(self, max_attempts: int) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {"requeued": [], "failed": [], "cancelled": []}
-        def sweep(c: sqlite3.Connection) -> None:
-            rows = c.execute("SELECT id, attempts, cancel_requested FROM jobs WHERE status = ? ORDER BY seq", (IN_PROGRESS,)).fetchall()
-            now = self._clock()
-            for jid, attempts, cancel in rows:
-                if cancel:
-                    c.execute("UPDATE jobs SET status = ?, completed_at = ? WHERE id = ?", (CANCELLED, now, jid))
-                    self._log(c, jid, CANCELLED, attempts, "cancellation asked before the server stopped")
-                    out["cancelled"].append(jid)
-                elif attempts >= max_attempts:
-                    err = {"type": "interrupted", "message": f"the server stopped during this job {attempts} time(s); "
-                                                             "it is not tried again"}
-                    c.execute("UPDATE jobs SET status = ?, completed_at = ?, error = ? WHERE id = ?",
-                              (FAILED, now, json.dumps(err), jid))
-                    self._log(c, jid, FAILED, attempts, "attempts used up")
-                    out["failed"].append(jid)
-                else:
-                    c.execute("UPDATE jobs SET status = ?, progress = 0, worker = NULL, started_at = NULL WHERE id = ?",
-                              (QUEUED, jid))
-                    self._log(c, jid, "requeued", attempts, "the server stopped during this attempt")
-                    out["requeued"].append(jid)
-
-        self._tx(sweep, critical=True)
-        self._sweep_staging()
-        return out
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            got = dict(self._conn.execute("SELECT status, count(*) FROM jobs GROUP BY status").fetchall())
-        return {s: int(got.get(s, 0)) for s in STATUSES}
-
-    def queued_count(self, tenant: str) -> int:
-        with self._lock:
-            return int(self._conn.execute("SELECT count(*) FROM jobs WHERE status = ? AND tenant = ?", (QUEUED, tenant)).fetchone()[0])
-
-    def history(self, job_id: str) -> list[dict[str, Any]]:
-        with self._lock:
-            rows = self._conn.execute("SELECT kind, attempt, at, detail FROM job_log WHERE job_id = ? ORDER BY seq", (job_id,)).fetchall()
-        return [{"kind": k, "attempt": a, "at": t, "detail": d} for k, a, t, d in rows]
-
     def healthy(self) -> str | None:
         if self._low_space:
             self._ensure_reserve()
         return f"the disk of {self.root} is full" if self._low_space else None
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
-
-def _progress_of(c: sqlite3.Connection, job_id: str) -> int:
-    row = c.execute("SELECT progress FROM jobs WHERE id = ?", (job_id,)).fetchone()
-    return int(row[0]) if row else 0
 
 
 def _fsync_dir(path: Path) -> None:

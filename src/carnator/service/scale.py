@@ -233,6 +233,7 @@ class EngineReplica:
                     negative_prompt=p.get("negative_prompt"), num_inference_steps=p.get("num_inference_steps"),
                     num_frames=p.get("num_frames"), height=p.get("height"), width=p.get("width"),
                     guidance_scale=p.get("guidance_scale"), tenant=tenant, cache=p.get("cache", "reuse"),
+                    store=p.get("store", True),
                     progress=lambda d, t: events.put({"kind": "progress", "done": d, "total": t}),
                     cancel=cancelled,
                     events=lambda k, d: events.put({"kind": "event", "name": k, "data": _plain(d)}),
@@ -356,14 +357,14 @@ class RemoteEngine:
 
     def generate(self, prompt: str, *, seed: int, policy: str = "carnator", negative_prompt=None, num_inference_steps=None,
                  num_frames=None, height=None, width=None, guidance_scale=None, tenant: str = "default",
-                 cache: str = "reuse", progress=None, cancel=None, events=None):
+                 cache: str = "reuse", store: bool = True, progress=None, cancel=None, events=None):
         from ray.exceptions import RayError
 
         from ..request import Result
 
         params = {"prompt": prompt, "seed": seed, "policy": policy, "negative_prompt": negative_prompt,
                   "num_inference_steps": num_inference_steps, "num_frames": num_frames, "height": height, "width": width,
-                  "guidance_scale": guidance_scale, "cache": cache}
+                  "guidance_scale": guidance_scale, "cache": cache, "store": store}
         aff = self.replicas.affinity
         affinity: list[str] = []
         emb = None

@@ -106,7 +106,8 @@ def devices_for(device: str) -> list[str]:
 class Service:
     """Everything one server runs: engines (one per device), the job store, workers, event hub and metrics."""
 
-    def __init__(self, config: ServeConfig, *, engines: list[Any] | None = None, store: JobStore | None = None):
+    def __init__(self, config: ServeConfig, *, engines: list[Any] | None = None, store: JobStore | None = None,
+                 server_lock: Any = None):
         from .. import __version__
         from ..cache import default_cache_dir
         from ..engine import Carnator, EngineSpec
@@ -149,7 +150,7 @@ class Service:
             unavailable = lambda: sum(int(getattr(e.store, "unavailable", 0)) for e in engines)  # noqa: E731
         self.engine = engines[0]
         if store is None:
-            store = open_job_store(config.store, self.cache_dir)
+            store = open_job_store(config.store, self.cache_dir, server_lock)
         self.store: JobStore = store
         self.pool = WorkerPool(self.store, [Device(n, e) for n, e in zip(names, engines)], self.hub, self.metrics,
                                fps=config.fps)
@@ -214,21 +215,21 @@ class Service:
         return self.store.healthy()
 
 
-def open_job_store(store_url: str | None, cache_dir: Path) -> JobStore:
-    """The job table: in the ``postgresql://`` store's database (videos in ``<cache_dir>/videos``), else SQLite in
-    the cache directory."""
+def open_job_store(store_url: str | None, cache_dir: Path, server_lock: Any = None) -> JobStore:
+    """The job table: in the ``postgresql://`` store's database (videos in ``<cache_dir>/videos``; ``server_lock``:
+    what :func:`job_table_lock` yielded, checked before every change), else SQLite in the cache directory."""
     from ..cache.urls import is_shared
 
     if is_shared(store_url):
         from .pgjobs import PostgresJobStore
 
-        return PostgresJobStore(str(store_url), cache_dir / VIDEO_DIR)
+        return PostgresJobStore(str(store_url), cache_dir / VIDEO_DIR, server_lock=server_lock)
     return SqliteJobStore(cache_dir)
 
 
 def job_table_lock(store_url: str | None, cache_dir: Path):
-    """One server per job table: the cache directory's lock file, or a PostgreSQL advisory lock for a
-    ``postgresql://`` store."""
+    """One server per job table: the cache directory's lock file (yields None), or for a ``postgresql://`` store a
+    PostgreSQL advisory lock (yields the :class:`~carnator.service.pgjobs.ServerLock` for the job store)."""
     from ..cache.urls import is_shared
 
     if is_shared(store_url):
@@ -268,8 +269,8 @@ def run(config: ServeConfig, *, out: Callable[[str], None] | None = None) -> int
         raise CarnatorError(f"--host {config.host}: without --keys the server has no authentication and binds to "
                             "loopback only (127.0.0.1 or ::1); pass --keys keys.json to serve other hosts")
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-    with job_table_lock(config.store, cache_dir):
-        service = Service(config)
+    with job_table_lock(config.store, cache_dir) as held:
+        service = Service(config, server_lock=held)
         from .app import create_app, json_http_protocol
 
         app = create_app(service)

@@ -123,7 +123,8 @@ def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> s
 
     s = res.stats
     if params.get("cache") == "off":
-        return "the cache was off for this request (cache: off): nothing was read from it or stored"
+        stored = "" if params.get("store", True) else " or stored (store: false)"
+        return f"the cache was off for this request (cache: off): nothing was read from it{stored}"
     notes = s.notes or {}
     if s.hit or notes.get("recall") != "content" or notes.get("recalled") != 0:
         return None
@@ -305,7 +306,7 @@ class WorkerPool:
                 p["prompt"], seed=p["seed"], policy=p.get("policy", "carnator"), negative_prompt=p.get("negative_prompt"),
                 num_inference_steps=p.get("num_inference_steps"), num_frames=p.get("num_frames"), height=p.get("height"),
                 width=p.get("width"), guidance_scale=p.get("guidance_scale"), tenant=job.tenant,
-                cache=p.get("cache", "reuse"), progress=progress, cancel=cancel, events=events,
+                cache=p.get("cache", "reuse"), store=p.get("store", True), progress=progress, cancel=cancel, events=events,
             )
         except Cancelled:
             return self._stopped_job(job)
