@@ -53,9 +53,9 @@ case $mode in
   edits)
     # [STEPS=3,6,10,15] [SCOPE=frame] [PAIRS=300] [FIDELITY=0.05]: edit tiers (lab/scripts/edit_tiers.py draw -> .cache/dev/edit-pairs.jsonl): each pair's target reused from every
     # step of STEPS, one calibrate run; the tiers it certifies in OUT/edits/thresholds.json
-    n=${PAIRS:-$(wc -l < .cache/dev/edit-pairs.jsonl)}
+    pf=${PAIRS_FILE:-.cache/dev/edit-pairs.jsonl}; n=${PAIRS:-$(wc -l < $pf)}
     timeout -k 10 "$budget" python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate \
-      --pairs-file .cache/dev/edit-pairs.jsonl --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 \
+      --pairs-file $pf --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 \
       --device cuda --cuda-graphs --jobs ${JOBS:-14} --resume-step ${STEPS:-5,15,30} --tier-scope ${SCOPE:-auto} --cache-dir /tmp/edits-cache --out /tmp/edits \
       > /tmp/edits.log 2>&1
     pkill -f "carnator.cli" ; sleep 2; tail -3 /tmp/edits.log; keep /tmp/edits edits
