@@ -534,10 +534,13 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
         notes = {"discrepancies": {"context": 1.0, "size": 0.1, "shape": 0.1, "color": 1.0, "text": 0.05}} if policy == "carnator-forced" else {}
         return SimpleNamespace(frames=np.zeros((1, 1, 1, 3), np.uint8), stats=SimpleNamespace(
             hit=policy == "carnator-forced", notes=notes, timings={}, resume_step=20, active_fraction=0.5, mask_density=1.0,
-            source_id=None))
+            source_id=None, reason=""))
+
+    from carnator.signature.content import heuristic_content
 
     engine = _fake_engine()
     engine.generate, engine.store = generate, SimpleNamespace(clear=lambda tenant: None)
+    engine.content = heuristic_content   # what a prompt asks (the rows name each pair's kind of change)
     engine.flush = lambda result=None: None   # (its stores are synchronous: nothing is written behind)
     engine.resolve = lambda prompt, *, seed, num_inference_steps=None: SimpleNamespace(num_inference_steps=50)
     kw = {"judge": FakeJudge(), "rule": _rule(), "source": {"pairs_from": "test"}, "progress": lambda *_: None}
