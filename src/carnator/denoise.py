@@ -81,7 +81,7 @@ def resume(adapter: BackboneAdapter, state: DenoiseState, latent: torch.Tensor, 
 
 def own_sample_latent(adapter: BackboneAdapter, state: DenoiseState, req: Request, latent: torch.Tensor,
                       clean: torch.Tensor, step: int, mix: float) -> torch.Tensor:
-    """The start latent of a hit that keeps the request's own sample (issue 26, lever 6), for flow-matching schedulers.
+    """The start latent of a hit that keeps the request's own sample, for flow-matching schedulers.
 
     ``latent`` is the source's latent entering ``step`` (at noise level ``s = sigmas[step]``) and ``clean`` its final
     latent ``x0``. The source's latent is ``(1 - s) x0 + s e_src``, so ``e_src`` follows; the result is

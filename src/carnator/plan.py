@@ -168,7 +168,7 @@ class ReusePlan:
     stores it). ``capture``: this request's block masks to capture (every step its stride allows).
     ``own_sample`` / ``clean_latent``: with ``own_sample`` > 0 the start latent is re-noised from the source's final
     latent (``clean_latent``) with the request's own seed noise mixed in by ``own_sample``
-    (:func:`carnator.denoise.own_sample_latent`; issue 26, lever 6).
+    (:func:`carnator.denoise.own_sample_latent`).
     """
 
     hit: bool = False

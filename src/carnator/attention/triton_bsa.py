@@ -1,4 +1,4 @@
-"""A block-sparse flash-attention forward kernel in Triton (issue 6: a kernel nearer the limit than flex).
+"""A block-sparse flash-attention forward kernel in Triton (a kernel nearer the limit than flex).
 
 :func:`block_sparse_attention` computes exactly what :func:`~carnator.attention.kernels.masked_attention`
 computes - the queries of query block ``i`` attend only to the keys of the key blocks ``j`` with

@@ -61,7 +61,7 @@ class CarnatorConfig:
         ("big red ball": 2; paper: the noun's tokens, 0). Default 1: on the embedded model it localises objects better
         and the shipped thresholds are calibrated with it (docs/METHOD.md).
     resume_step: first step taken from the cached trajectory (paper: not given). None (default): the step the
-        thresholds file was certified at (``meta.resume``, e.g. 45 of 50; issue 26's lever 2), scaled to the request's
+        thresholds file was certified at (``meta.resume``, e.g. 45 of 50), scaled to the request's
         number of steps (45 of 50 is 29 of 32); a file that names none, or the paper's thresholds: 30. A step the file
         was not certified at (``meta.resume.certified_steps``) makes its reuse uncertified.
     window: fraction of layers [start, end) where only Active tokens are recomputed (paper: 6..25 of 30 layers,
@@ -78,9 +78,9 @@ class CarnatorConfig:
         does not wait for the disk (default on; not in the paper).
     admitted_only: reuse only entries whose own output passed the engine's admission judge
         (``EngineConfig.admission_judge``; entries the engine did not judge are allowed). A re-roll is unsafe mostly
-        when the clip it resumes from was itself a failed generation, which no query-side evidence can see (issue 26,
-        lever 1). Default on; not in the paper.
-    own_sample: how much of the request's own sample a hit keeps (issue 26, lever 6; not in the paper). 0: resume
+        when the clip it resumes from was itself a failed generation, which no query-side evidence can see.
+        Default on; not in the paper.
+    own_sample: how much of the request's own sample a hit keeps (not in the paper). 0: resume
         the source's latent trajectory as it is (the paper; with the Active region covering the frame, a re-roll hit
         then returns the source's clip). 1: at the resume step, re-noise the source's final (clean) latent with the
         request's own seed noise (exact flow-matching state ``(1 - s) x0 + s e``), so a new seed gives a new sample

@@ -212,7 +212,7 @@ def evaluate(pairs: Sequence[CalibrationPair], tau: Thresholds) -> tuple[int, in
 
 def stratified_certification(pairs: Sequence[CalibrationPair], kinds: Sequence[str], tau: Thresholds, *,
                              delta: float = 0.05, confidence: float = 0.90) -> dict[str, dict[str, Any]]:
-    """The certificate per kind of change (issue 26): for each kind, the pairs of that kind, how many ``tau`` accepts,
+    """The certificate per kind of change: for each kind, the pairs of that kind, how many ``tau`` accepts,
     how many of those are unsafe, the one-sided Clopper-Pearson upper bound of the unsafe rate at ``confidence``, and
     ``certified`` (bound <= ``delta``). A kind ``tau`` accepts nothing of is reported with ``certified`` None: no hit
     of that kind is served, so there is no rate to bound. A bound over a mix says nothing about the kind a user

@@ -137,7 +137,7 @@ class Discrepancies:
     color: float | None = None
     text: float | None = None
     content: float | None = None
-    """Beyond the paper (issue 26): how many content items (objects with their attributes, the place) only one of the
+    """Beyond the paper: how many content items (objects with their attributes, the place) only one of the
     two prompts asks for (:func:`carnator.signature.content.content_distance`; 0: a rewording or a re-roll); ``None``
     when not measured, ``inf`` when the candidate has no recorded content."""
 
@@ -331,7 +331,7 @@ class Thresholds:
     color: float = 7.58
     text: float = math.inf
     content: float = math.inf
-    """Beyond the paper (issue 26): the most content items the two prompts may differ in (0: only rewordings and
+    """Beyond the paper: the most content items the two prompts may differ in (0: only rewordings and
     re-rolls; ``inf``: off, as in files written before it existed)."""
     risk: RiskScore | None = None
     """A learned decision rule applied on top of the per-dimension thresholds (None: the paper's box alone)."""

@@ -1,4 +1,4 @@
-"""What a prompt asks for, read so that rewording does not change it (issue 26, lever 3).
+"""What a prompt asks for, read so that rewording does not change it.
 
 The paper's text evidence is the recall cosine of the two sentences. It barely moves between "left" and "right", and it
 moves for a "footage of" prefix or a ", 4k" suffix that asks for nothing. The *content* of a prompt is instead the
