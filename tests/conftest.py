@@ -62,3 +62,19 @@ def private_postgres():
         yield pg
     finally:
         pg.stop()
+
+
+def load_pg_dump(url: str, text: str) -> None:
+    """Create the schema of ``url`` (a ``pg_schema_url``) and run a SQL dump in it, statement by statement (the stores
+    written by an earlier version, tests/stores/)."""
+    import psycopg
+
+    from carnator.cache.shared import parse_store_url
+
+    conninfo, schema = parse_store_url(url)
+    with psycopg.connect(conninfo, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+        c.execute(f"SET search_path TO {schema}")
+        for stmt in text.split(";\n"):
+            if stmt.strip():
+                c.execute(stmt)

@@ -765,18 +765,11 @@ def test_a_store_written_by_carnator_72f574c_opens_and_migrates_in_place(db, tmp
         def version(s):
             return s._db.get_meta("schema_version")
     else:
-        import psycopg
-
-        from carnator.cache.shared import SharedStore, parse_store_url
+        from carnator.cache.shared import SharedStore
+        from conftest import load_pg_dump
 
         url = request.getfixturevalue("pg_schema_url")
-        conninfo, schema = parse_store_url(url)
-        with psycopg.connect(conninfo, autocommit=True) as c:
-            c.execute(f"CREATE SCHEMA {schema}")
-            c.execute(f"SET search_path TO {schema}")
-            for stmt in text.split(";\n"):
-                if stmt.strip():
-                    c.execute(stmt)
+        load_pg_dump(url, text)
         blob_dir = tmp_path / "blobs"
         (blob_dir / "quarantine").mkdir(parents=True)
 

@@ -316,15 +316,11 @@ def test_a_job_table_written_by_carnator_72f574c_opens_and_migrates_in_place(db,
 
         from carnator.cache.shared import parse_store_url
         from carnator.service.pgjobs import PostgresJobStore
+        from conftest import load_pg_dump
 
         url = request.getfixturevalue("pg_schema_url")
+        load_pg_dump(url, text)
         conninfo, schema = parse_store_url(url)
-        with psycopg.connect(conninfo, autocommit=True) as c:
-            c.execute(f"CREATE SCHEMA {schema}")
-            c.execute(f"SET search_path TO {schema}")
-            for stmt in text.split(";\n"):
-                if stmt.strip():
-                    c.execute(stmt)
 
         def open_store():
             return PostgresJobStore(url, tmp_path / "videos")

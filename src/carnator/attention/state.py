@@ -39,14 +39,14 @@ class SparseConfig:
         (:func:`estimate_block_mass`, (N / block)^2 per head instead of a dense pass), "exact"
         (:func:`exact_block_mass`, one extra dense attention pass per captured forward), or "auto":
         exact up to ``exact_max_tokens`` tokens, the estimate above. Measured on the embedded model
-        (lab/notebook/RESULTS.md): at p 0.9 the estimate's masks (density 0.46) cost forced reuses 0.10
+        (docs/METHOD.md): at p 0.9 the estimate's masks (density 0.46) cost forced reuses 0.10
         of judge fidelity against reuses without masks, the exact mass's (density 0.49) nothing.
     exact_max_tokens: the "auto" limit (the embedded model has 512 tokens; Wan2.1-1.3B at 480p 32,760).
     apply: where masks are captured and applied: "auto" only where a block-sparse kernel makes them save
         time (:func:`~carnator.attention.kernels.block_sparse_kernel`: CUDA with blocks of a multiple of
         128 tokens, so not the embedded model's 32-token blocks, nor any CPU run); "always" everywhere (the
         CPU then computes a masked *dense* attention: the quality of a mask, no saving); "never" nowhere.
-        Measured on the embedded model (lab/notebook/RESULTS.md): on the 2-core CPU masks made a hit's
+        Measured on the embedded model (docs/METHOD.md): on the 2-core CPU masks made a hit's
         DiT slower, not faster, and a capturing miss slower than dense.
     """
 

@@ -77,20 +77,20 @@ class CalibrationConfig:
     ``max_candidates**4`` operations (about a second at 64) per text candidate, plus ``O(n)``. Chosen default."""
     text: bool = True
     """Select a threshold on ``d_text`` (1 - recall cosine) as well; False keeps it off, as the paper (which
-    calibrates the four signature dimensions only). Chosen default: on (lab/notebook/RESULTS.md)."""
+    calibrates the four signature dimensions only). Chosen default: on (docs/METHOD.md)."""
     selection_confidence: float | None = None
     """None (the paper): a selection threshold is feasible when its unsafe share on the selection split is
     ``<= delta``. A number: when the Clopper-Pearson upper bound of that share at this confidence is. On 480
     stream pairs the paper's rule picked thresholds that certified on 1 of 20 random splits (the
     coverage-maximising search lands on the loosest point a small split happens to favour), the bound at 90 %
-    on 11 of 20 (lab/notebook/RESULTS.md); but a bound needs a selection split of >= 45 accepted pairs to
+    on 11 of 20 (docs/METHOD.md); but a bound needs a selection split of >= 45 accepted pairs to
     accept anything at delta 5 %, so it is no default for the paper's 30 selection pairs."""
 
     rule: str = "box"
     """The decision rule selected: "box" (the paper: one threshold per discrepancy) or "linear" (beyond it: a
     logistic risk score over all discrepancies, :class:`~carnator.reuse.compat.RiskScore`, fitted on the selection
     split, and one threshold on it). On the embedded world's 1,081 stream pairs the linear rule accepted fewer
-    unsafe pairs on every delta and selection rule tried, and certified more often (lab/notebook/RESULTS.md);
+    unsafe pairs on every delta and selection rule tried, and certified more often (docs/METHOD.md);
     on 2,933 pairs at delta 5 % with the 90 % bound selection it certified on 12 of 20 random splits, the box on 7,
     and the shipped embedded file is a linear one. Chosen default: the paper's."""
     l2: float = 1.0

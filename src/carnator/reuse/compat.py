@@ -10,7 +10,7 @@ by exactly one substitution (:func:`noun_diff`). The Early Signatures of the two
 
 and, beyond the paper, ``d_text`` = 1 - the recall-embedding cosine of the two prompts (``tau_text`` = ``inf``,
 off, unless calibrated: on the embedded world, recall hands the test cached requests that differ from the
-query in several attributes at once, which the signature does not separate; lab/notebook/RESULTS.md).
+query in several attributes at once, which the signature does not separate; docs/METHOD.md).
 
 The candidate is compatible iff every applicable ``d_k <= tau_k`` (:func:`compatible`); the first
 compatible candidate in recall order wins (:func:`first_compatible`). A missing noun or an undefined
@@ -279,7 +279,7 @@ class RiskScore:
 
     The paper's rule is a box, one threshold per discrepancy. On the embedded world the discrepancies are weak
     alone (AUC 0.62-0.77) and a logistic regression on all of them separates better (cross-validated AUC 0.80;
-    lab/notebook/RESULTS.md). ``carnator calibrate --rule linear`` fits the weights on the selection split and
+    docs/METHOD.md). ``carnator calibrate --rule linear`` fits the weights on the selection split and
     selects and certifies ``threshold`` as the box's thresholds are (:func:`carnator.reuse.calibrate.calibrate`).
     """
 

@@ -63,14 +63,14 @@ class RegionConfig:
 
     The paper gives none of these values (PAPER step 3: "eps, gamma, the thresholds and the layer
     index are not given"). The fusion and threshold defaults are the best setting of the knob grid of
-    ``scripts/measure_probe.py`` at the probe layer (lab/notebook/PROBE.md: the same setting won on run-7c and
+    ``scripts/measure_probe.py`` at the probe layer (docs/METHOD.md: the same setting won on run-7c and
     run-8b weights); the seed-count bounds are chosen defaults (the probe layer index belongs to the
     attention recorder, not to this module).
     """
 
     pos_fraction: float = 0.05
     """Share of all tokens taken as positive seeds ``I+`` (highest ``C``). Default by measurement
-    (lab/notebook/PROBE.md, embedded model, probe layer 3: best of 0.01 / 0.02 / 0.05 on two weight versions)."""
+    (docs/METHOD.md, embedded model, probe layer 3: best of 0.01 / 0.02 / 0.05 on two weight versions)."""
     min_pos: int = 1
     """Lower bound on ``|I+|``. Chosen default."""
     max_pos: int = 32
@@ -88,14 +88,14 @@ class RegionConfig:
     eps: float = 0.1
     """Floor of the cross-attention gate in the fusion ``S * (eps + (1 - eps) * C^gamma)``: ``eps=1``
     ignores ``C``, ``eps=0`` lets a zero ``C`` veto any self-attention evidence. Default by measurement
-    (lab/notebook/PROBE.md: best of 0 / 0.1 / 0.3 / 1 with the other defaults)."""
+    (docs/METHOD.md: best of 0 / 0.1 / 0.3 / 1 with the other defaults)."""
     gamma: float = 0.5
     """Exponent on the normalized cross-attention ``C`` in the fusion (``<1`` flattens, ``>1``
-    sharpens the gate). Default by measurement (lab/notebook/PROBE.md: best of 0.5 / 1 / 2)."""
+    sharpens the gate). Default by measurement (docs/METHOD.md: best of 0.5 / 1 / 2)."""
     high: float = 0.3
     """Hysteresis high threshold on the fused map ``F`` in ``[0, 1]``: tokens with ``F > high`` seed
     regions. Must be ``< 1`` (the maximum of ``F`` is 1, so at least one token seeds). Default by
-    measurement (lab/notebook/PROBE.md: with ``low``, best of five (high, low) pairs from (0.3, 0.15) to (0.7, 0.4))."""
+    measurement (docs/METHOD.md: with ``low``, best of five (high, low) pairs from (0.3, 0.15) to (0.7, 0.4))."""
     low: float = 0.15
     """Hysteresis low threshold: regions grow through connected tokens with ``F > low``. Default by
     measurement (see ``high``)."""
