@@ -406,7 +406,8 @@ def cmd_calibrate(args) -> int:
                               settings=_settings(args),
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold,
                                                     selection_confidence=args.selection_confidence, rule=args.rule),
-                              resume_step=args.resume_step, shard=args.shard, tier_scope=args.tier_scope)
+                              resume_step=args.resume_step, shard=args.shard, tier_scope=args.tier_scope,
+                              tier_rules=_tier_rules(args, judge, rule), noise_floor=args.noise_floor)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
     return 0
@@ -659,33 +660,40 @@ def _add_judge_args(p: argparse.ArgumentParser, what: str) -> None:
                         "clip: clip_t=0.02 and ssim>=0.5; shapes: fidelity=0.1 and artifact=0.02)")
 
 
+def _parse_quality(items, judge, flag: str = "--quality") -> tuple[dict[str, float], dict[str, float]]:
+    """SCORE=DELTA / SCORE>=FLOOR / SCORE<=CEILING items as (deltas, floors)."""
+    deltas: dict[str, float] = {}
+    floors: dict[str, float] = {}
+    for item in items:
+        for op in (">=", "<=", "="):
+            k, sep, v = item.partition(op)
+            if sep:
+                break
+        try:
+            value = float(v)
+        except ValueError:
+            sep = ""
+        if not sep or not k.strip():
+            raise CarnatorError(f"{flag} {item!r}: expected SCORE=DELTA or SCORE>=FLOOR (SCORE<=CEILING), e.g. clip_t=0.02")
+        k = k.strip()
+        if op == "=":
+            deltas[k] = value
+            continue
+        want = 1 if op == ">=" else -1
+        if k in judge.directions and judge.directions[k] != want:
+            better = "higher" if judge.directions[k] > 0 else "lower"
+            raise CarnatorError(f"{flag} {item!r}: {k} is better {better}; write {k}{'>=' if better == 'higher' else '<='}{v}")
+        floors[k] = value
+    return deltas, floors
+
+
 def _quality_rule(args, judge):
     from .judges import QualityRule
 
     deltas = dict(getattr(judge, "default_deltas", {}) or {})
     floors = dict(getattr(judge, "default_floors", {}) or {})
     if args.quality:
-        deltas, floors = {}, {}
-        for item in args.quality:
-            for op in (">=", "<=", "="):
-                k, sep, v = item.partition(op)
-                if sep:
-                    break
-            try:
-                value = float(v)
-            except ValueError:
-                sep = ""
-            if not sep or not k.strip():
-                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA or SCORE>=FLOOR (SCORE<=CEILING), e.g. clip_t=0.02")
-            k = k.strip()
-            if op == "=":
-                deltas[k] = value
-                continue
-            want = 1 if op == ">=" else -1
-            if k in judge.directions and judge.directions[k] != want:
-                better = "higher" if judge.directions[k] > 0 else "lower"
-                raise CarnatorError(f"--quality {item!r}: {k} is better {better}; write {k}{'>=' if better == 'higher' else '<='}{v}")
-            floors[k] = value
+        deltas, floors = _parse_quality(args.quality, judge)
     if not deltas and not floors:
         raise CarnatorError(f"--quality: the {judge.name} judge has no default rule; name its scores, e.g. "
                             + " ".join(f"--quality {k}=0.02" for k in judge.directions))
@@ -693,6 +701,27 @@ def _quality_rule(args, judge):
         return QualityRule.for_judge(judge, floors, **deltas)
     except (ValueError, CarnatorError) as e:
         raise CarnatorError(f"--quality: {e}") from None
+
+
+def _tier_rules(args, judge, rule) -> dict:
+    """``--tier-quality KIND:SCORE=DELTA`` items as each named kind's rule: the ``rule`` with these scores added."""
+    from .judges import QualityRule
+    from .reuse.tiers import KINDS
+
+    items: dict[str, list[str]] = {}
+    for item in getattr(args, "tier_quality", None) or []:
+        kind, sep, rest = item.partition(":")
+        if not sep or kind.strip() not in KINDS:
+            raise CarnatorError(f"--tier-quality {item!r}: expected KIND:SCORE=DELTA with KIND one of {', '.join(KINDS)}")
+        items.setdefault(kind.strip(), []).append(rest)
+    out = {}
+    for kind, its in items.items():
+        deltas, floors = _parse_quality(its, judge, "--tier-quality")
+        try:
+            out[kind] = QualityRule.for_judge(judge, {**rule.floors, **floors}, **{**rule.deltas, **deltas})
+        except (ValueError, CarnatorError) as e:
+            raise CarnatorError(f"--tier-quality: {e}") from None
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -782,6 +811,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several resume steps, how a tier's reuse recomputes: frame (every token from its step), region "
                         "(the probe's regions, the source kept outside them) or auto (frame for re-rolls and rewordings, region "
                         "for edits; default)")
+    k.add_argument("--tier-quality", action="append", default=[], metavar="KIND:SCORE=DELTA",
+                   help="with several resume steps, a kind of change's own rule: the quality rule with this score added "
+                        "(repeatable; e.g. colour:color=0.05: a colour edit that lost a colour dense shows is unsafe)")
+    k.add_argument("--noise-floor", action="store_true",
+                   help="also generate each target densely at another seed and report how often the rule fails it against "
+                        "dense, per kind (the summary's noise_floor: what a reuse that is merely another sample scores)")
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
     k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",
