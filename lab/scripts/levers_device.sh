@@ -58,6 +58,8 @@ case $mode in
     pf=${PAIRS_FILE:-.cache/dev/edit-pairs.jsonl}; n=${PAIRS:-$(wc -l < $pf)}
     tq="--tier-quality colour:color=0.05 --tier-quality object:shape=0.05 --tier-quality size:size=0.05 --tier-quality motion:motion=0.05 --tier-quality place:background=0.05"
     tq=${TIER_RULES:-$tq}
+    # RESUME=DIR: the rows (pairs.jsonl, pairs.meta.json) of an earlier call of the same run, continued here
+    [ -n "${RESUME:-}" ] && mkdir -p /tmp/edits && cp "$RESUME"/pairs.jsonl "$RESUME"/pairs.meta.json /tmp/edits/
     timeout -k 10 "$budget" python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate \
       --pairs-file $pf --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 $tq $([ "${NOISE:-1}" = 1 ] && echo --noise-floor) \
       --device cuda --cuda-graphs --jobs ${JOBS:-14} --resume-step ${STEPS:-2,5,12} --tier-scope ${SCOPE:-frame} --cache-dir /tmp/edits-cache --out /tmp/edits \
