@@ -11,7 +11,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from .errors import CarnatorError
 
@@ -48,6 +50,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _later(text: Callable[[], str]) -> str:
+    """A help text computed when shown (:class:`_HelpFormatter` calls it), passed where argparse types a string."""
+    return cast(str, text)
 
 
 def _int_in(lo: int, hi: int):
@@ -232,9 +239,9 @@ def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--intra-cache", default=None, metavar="KIND[:OPT=VAL,...]",
-        help=lambda: "also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
+        help=_later(lambda: "also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
                      f"Kinds (options, defaults): {describe_kinds()}. Ranges are LO..HI; mag ratios R0/R1/... or @file.json. "
-                     "See docs/METHOD.md.",
+                     "See docs/METHOD.md."),
     )
 
 
@@ -711,15 +718,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "baselines nirvana, chorus, chorus2 (default: %(default)s)")
     g.add_argument("--negative-prompt", default=None, help="what the video should not show (default: the model's)")
     g.add_argument("--steps", type=int, default=None,
-                   help=lambda: f"denoising steps, at most 1000 (default: the model's; embedded: {_embedded_default('num_inference_steps')})")
+                   help=_later(lambda: f"denoising steps, at most 1000 (default: the model's; embedded: {_embedded_default('num_inference_steps')})"))
     g.add_argument("--frames", type=int, default=None,
-                   help=lambda: f"frames of the video (default: the model's; the embedded model makes {_embedded_default('frames')} only)")
+                   help=_later(lambda: f"frames of the video (default: the model's; the embedded model makes {_embedded_default('frames')} only)"))
     g.add_argument("--height", type=int, default=None,
-                   help=lambda: f"height in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)")
+                   help=_later(lambda: f"height in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)"))
     g.add_argument("--width", type=int, default=None,
-                   help=lambda: f"width in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)")
+                   help=_later(lambda: f"width in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)"))
     g.add_argument("--guidance", type=float, default=None,
-                   help=lambda: f"classifier-free guidance scale, in [0, 100] (default: the model's; embedded: {_embedded_default('guidance_scale')})")
+                   help=_later(lambda: f"classifier-free guidance scale, in [0, 100] (default: the model's; embedded: {_embedded_default('guidance_scale')})"))
     g.add_argument("--tenant", default="default", help="cache namespace: entries are reused within their tenant only (default: %(default)s)")
     g.add_argument("--out", default="out.mp4", help="output video, .mp4 (H.264) or .gif (default: ./%(default)s)")
     g.add_argument("--fps", type=_int_in(1, 240), default=8, help="frames per second of the output, 1-240 (.gif: 1-50) (default: %(default)s)")
@@ -748,9 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "given here is never emptied)")
     d.add_argument("--policy", choices=POLICIES, default="carnator", help="the policy the stream runs through (default: %(default)s)")
     d.add_argument("--steps", type=int, default=None,
-                   help=lambda: f"denoising steps (default: the model's, {_embedded_default('num_inference_steps')}; the carnator "
+                   help=_later(lambda: f"denoising steps (default: the model's, {_embedded_default('num_inference_steps')}; the carnator "
                                 "policy resumes at the step its thresholds file is certified at, 45 of 50 on the embedded model, scaled to fewer "
-                                "steps)")
+                                "steps)"))
     d.add_argument("--out", default="carnator-demo", help="output folder: clips, demo.json, index.html (default: ./%(default)s)")
     d.add_argument("--keep-cache", action="store_true",
                    help="start from what OUT/cache holds from an earlier run (the demo then says it replays)")

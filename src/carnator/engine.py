@@ -142,8 +142,8 @@ class Carnator:
     >>> res.frames.shape, res.stats.hit
     """
 
-    def __init__(self, pipe, cache_dir: str | os.PathLike | CacheStore | None = None, *, config: EngineConfig | None = None,
-                 embedder=None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None,
+    def __init__(self, pipe: Any, cache_dir: str | os.PathLike | CacheStore | None = None, *, config: EngineConfig | None = None,
+                 embedder: Callable[[str], np.ndarray] | None = None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None,
                  thresholds: str | os.PathLike | None = None):
         """``cache_dir``: the cache directory (default: ``$CARNATOR_CACHE_DIR`` or ``~/.cache/carnator``) or an open
         :class:`~carnator.cache.CacheStore`. ``embedder``: the recall embedder (default MiniLM). ``nouns``: the noun
@@ -197,7 +197,7 @@ class Carnator:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None,
-                        torch_dtype: torch.dtype | None = None, blobs: str | os.PathLike | None = None, **kwargs) -> Carnator:
+                        torch_dtype: torch.dtype | None = None, blobs: str | os.PathLike | None = None, **kwargs: Any) -> Carnator:
         """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory. ``cache_dir``: a
         directory, ``sqlite:///path`` or a ``postgresql://`` URL (then ``blobs`` says where its blobs live)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -222,13 +222,13 @@ class Carnator:
         return cls(pipe, store, **kwargs)
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec, **kwargs) -> Carnator:
+    def from_spec(cls, spec: EngineSpec, **kwargs: Any) -> Carnator:
         """The engine ``spec`` describes (``kwargs``: an ``embedder`` or ``nouns`` that are not data)."""
         return cls.from_pretrained(spec.model, spec.cache_dir, device=spec.device, config=EngineConfig(**spec.config),
                                    blobs=spec.blobs, **kwargs)
 
     @property
-    def embedder(self):
+    def embedder(self) -> Callable[[str], np.ndarray]:
         if self._embedder is None:
             from .embed import default_embedder
 
@@ -304,11 +304,11 @@ class Carnator:
         return denoise.capture_set(self.config.capture_steps, num_steps)
 
     # ---- generation --------------------------------------------------------------------------
-    def resolve(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> Request:
+    def resolve(self, prompt: str, *, seed: int, tenant: str = "default", **request: Any) -> Request:
         """The request ``generate`` would run (every setting filled in and checked)."""
         return self.adapter.resolve(prompt, seed=seed, tenant=tenant, **request)
 
-    def is_cached(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> bool:
+    def is_cached(self, prompt: str, *, seed: int, tenant: str = "default", **request: Any) -> bool:
         """Whether the store holds this exact request (same prompt, seed and settings: ``request`` takes
         :meth:`generate`'s ``negative_prompt``, ``num_inference_steps``, ...), i.e. whether it would be an exact hit."""
         req = self.resolve(prompt, seed=seed, tenant=tenant, **request)
@@ -361,7 +361,7 @@ class Carnator:
             if res is not None:
                 stats.timings["total"] = time.perf_counter() - t_start
                 return res
-        flight = contextlib.nullcontext(False)
+        flight: contextlib.AbstractContextManager[bool] = contextlib.nullcontext(False)
         if mode != "off" and store and self.config.store_video:
             flight = self.store.single_flight(req.tenant, exact_key)  # the same request elsewhere: wait for its video
         with contextlib.ExitStack() as lease:
@@ -392,7 +392,8 @@ class Carnator:
         return Result(frames=tensors[VIDEO].numpy(), stats=stats, request=req)
 
     def _run(self, req: Request, pol: Policy, mode: str, store: bool, exact_key: str, stats: Stats, t_start: float,
-             injected: Decision | None, progress, cancel, events, lease: contextlib.ExitStack | None = None) -> Result:
+             injected: Decision | None, progress: Callable[[int, int], None] | None, cancel: Callable[[], bool] | None,
+             events: Callable[[str, dict], None] | None, lease: contextlib.ExitStack | None = None) -> Result:
         ad, tm = self.adapter, stats.timings
         # (Engines sharing one adapter may differ in their intra-request cache and CUDA graphs: apply this engine's.)
         intra = ad.use_intra_cache(self.intra_cache_spec)
@@ -428,7 +429,7 @@ class Carnator:
             word_positions = {w: tuple(ad.word_token_positions(req.prompt, w)) for w in words}
         sparse = None
         sc = pol.sparse_config() if fallback is None else None
-        grid = tuple(ad.token_grid(req))
+        grid = ad.token_grid(req)
         if sc is not None:
             sc = sc.for_tokens(int(np.prod(grid)))
             sparse = sc if sc.applies(state.latents.device) else None
@@ -487,6 +488,7 @@ class Carnator:
                                 "missing or damaged)", details=dec.details)
             plan = pol.plan(dec, inputs)
             program = self._bind(plan, req, state, None)
+            assert program is not None, "a miss's plan reads no source: it always binds"
         if plan.hit:
             tm["plan"] = time.perf_counter() - t0
         stats.hit, stats.source_id, stats.reason = plan.hit, plan.source_id, dec.reason
@@ -568,7 +570,7 @@ class Carnator:
         with self._lock:
             self._pending = [(s, f) for s, f in self._pending if not f.done()]
 
-    def _prefetch(self, what) -> tuple[str, Future] | None:
+    def _prefetch(self, what: tuple[str, list[str] | None] | None) -> tuple[str, Future] | None:
         """Read a candidate's tensors in a background thread while the probe runs."""
         if what is None:
             return None
@@ -578,13 +580,13 @@ class Carnator:
                 self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-prefetch")
         return entry_id, self._loader.submit(self._load_quietly, entry_id, names)
 
-    def _load_quietly(self, entry_id: str, names):
+    def _load_quietly(self, entry_id: str, names: list[str] | None) -> dict[str, torch.Tensor] | None:
         try:
             return self.store.load(entry_id, names)
         except KeyError:  # names the entry never had: read what it has
             return self.store.load(entry_id)
 
-    def _bind(self, plan: ReusePlan, req: Request, state: denoise.DenoiseState, prefetched) -> denoise.Program | None:
+    def _bind(self, plan: ReusePlan, req: Request, state: denoise.DenoiseState, prefetched: tuple[str, Future] | None) -> denoise.Program | None:
         """``plan`` bound to the source tensors it reads; None when the source cannot serve it."""
         tensors: dict[str, torch.Tensor] = {}
         if plan.hit and plan.source_id is not None:
@@ -599,6 +601,7 @@ class Carnator:
         program = denoise.Program.bind(plan, self.adapter, req, state, tensors)
         if program is not None and plan.hit and plan.init_latent is not None:
             start = tensors[plan.init_latent]
+            assert plan.resume_step is not None, "a hit's plan names its resume step"
             if plan.own_sample > 0 and plan.clean_latent is not None and tensors.get(plan.clean_latent) is not None:
                 start = denoise.own_sample_latent(self.adapter, state, req, start, tensors[plan.clean_latent],
                                                   plan.resume_step, plan.own_sample)
@@ -606,6 +609,8 @@ class Carnator:
         return program
 
     def _load_source(self, plan: ReusePlan) -> dict[str, torch.Tensor] | None:
+        if plan.source_id is None:
+            return None
         meta = self.store.get(plan.source_id)
         if meta is None:
             return None
@@ -699,7 +704,8 @@ def _pipeline_class(model: str | os.PathLike) -> str:
     return class_name
 
 
-def _open_store(cache_dir, config: EngineConfig, blobs=None) -> CacheStore:
+def _open_store(cache_dir: str | os.PathLike | CacheStore | None, config: EngineConfig,
+                blobs: str | os.PathLike | None = None) -> CacheStore:
     from .cache import open_store
 
     if cache_dir is None or isinstance(cache_dir, (str, os.PathLike)):

@@ -14,10 +14,14 @@ import numbers
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .backbones.base import GenerationDefaults
 
 log = logging.getLogger("carnator")
 
@@ -139,15 +143,15 @@ class RequestLimits:
     seed_max: int = SEED_MAX
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _type_name(v) -> str:
+def _type_name(v: object) -> str:
     return type(v).__name__
 
 
-def _check_text(name: str, text, limits: RequestLimits, *, label: str) -> str:
+def _check_text(name: str, text: object, limits: RequestLimits, *, label: str) -> str:
     """``text`` as the model will read it: a string of valid Unicode within ``max_prompt_chars``, cut to what the text
     encoder reads (with a warning)."""
     if not isinstance(text, str):
@@ -217,7 +221,7 @@ def truncate_to_tokens(text: str, max_tokens: int, count: Callable[[str], int], 
 
 
 def resolve_request(
-    defaults,
+    defaults: GenerationDefaults,
     limits: RequestLimits,
     prompt: str,
     *,

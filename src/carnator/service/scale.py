@@ -320,7 +320,7 @@ class Replicas:
         elif config.router != "pow2":
             raise ValueError(f"router must be affinity or pow2, got {config.router!r}")
         threads = None if config.num_gpus else max(1, int((os.cpu_count() or 1) // max(1, config.replicas)))
-        app = EngineReplica.options(**options).bind(spec.to_dict(), config.separate_caches, threads)
+        app = EngineReplica.options(**options).bind(spec.to_dict(), config.separate_caches, threads)  # type: ignore[attr-defined]
         self.board = ray.remote(num_cpus=0)(CancelBoard).options(name=BOARD_NAME, namespace="carnator",
                                                                   get_if_exists=True).remote()
         self.handle = serve.run(app, name=APP_NAME, route_prefix=None)

@@ -299,7 +299,7 @@ class _NoBindError(logging.Filter):
 class _Server:
     """uvicorn's server, printing the URL once listening and starting the drain at the first signal."""
 
-    def __new__(cls, config, service: Service, say: Callable[[str], None]):
+    def __new__(cls, config: Any, service: Service, say: Callable[[str], None]) -> Any:  # a uvicorn.Server
         import uvicorn
 
         class Server(uvicorn.Server):
