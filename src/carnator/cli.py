@@ -13,9 +13,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from .errors import CarnatorError
+
+if TYPE_CHECKING:
+    from .request import Params
 
 #: the policies ``--policy`` offers (the registry's names, :func:`carnator.policies.policy_names`; a test keeps them
 #: equal): listed here so that parsing a command line does not import the policies (torch, scipy)
@@ -276,6 +279,15 @@ def _engine(args):
                                     blobs=getattr(args, "blobs", None), torch_dtype=torch_dtype)
 
 
+def _params(args: argparse.Namespace) -> Params:
+    """The request ``carnator generate``'s flags ask for."""
+    from .request import Params
+
+    return Params(prompt=args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
+                  num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
+                  guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, cache=args.cache)
+
+
 def cmd_generate(args) -> int:
     from .video import check_fps, write_video
 
@@ -302,11 +314,7 @@ def cmd_generate(args) -> int:
         bar.update(done - bar.n)
 
     try:
-        res = eng.generate(
-            args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
-            num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
-            guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, cache=args.cache, progress=progress,
-        )
+        res = eng.run(_params(args), progress=progress)
     finally:
         if bar is not None:
             bar.close()

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from ..errors import CarnatorError
-from ..request import SEED_MAX, SEED_MIN
+from ..request import SEED_MAX, SEED_MIN, Params
 from .events import CLOSED, DONE
 from .jobs import (
     CANCELLED,
@@ -161,6 +161,14 @@ def _request_model(policies: tuple[str, ...], max_steps: int) -> type[BaseModel]
                                                     "writes nothing; with cache off it touches no cache at all)")
 
     return VideoRequest
+
+
+def to_params(body: BaseModel, tenant: str) -> Params:
+    """The request parameters a validated body asks for, as the engine takes them: the caller's tenant, and a
+    random seed where the body gives none."""
+    fields = body.model_dump()
+    seed = fields.pop("seed")
+    return Params(**fields, seed=secrets.randbelow(2**31) if seed is None else seed, tenant=tenant)
 
 
 def job_view(job: Job) -> dict[str, Any]:
@@ -292,17 +300,14 @@ def create_app(service: "Service") -> FastAPI:
             raise ApiError(503, "unavailable", "the server is shutting down", {"Retry-After": "5"})
         sent: BaseModel = body  # (the model is built per app: mypy sees no class)
         given = sent.model_dump(exclude_unset=True)
-        params = sent.model_dump()
-        if params["seed"] is None:
-            params["seed"] = secrets.randbelow(2**31)
         try:
-            service.validate(params, tenant)
+            params = service.validate(to_params(sent, tenant))
         except CarnatorError as e:
             service.metrics.rejections.labels(reason="invalid").inc()
             raise ApiError(422, "invalid_request", str(e)) from None
         try:
             job, created = service.store.submit(
-                tenant, params, idempotency_key=idempotency_key, request_hash=request_hash(given),
+                tenant, params.to_dict(tenant=False), idempotency_key=idempotency_key, request_hash=request_hash(given),
                 max_queued=cfg.max_queue, max_queued_per_tenant=service.max_queue_per_tenant)
         except QueueFull as e:
             service.metrics.rejections.labels(reason=e.reason).inc()
