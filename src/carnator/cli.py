@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import CarnatorError
 
@@ -151,48 +151,55 @@ def _size_words(n: int | None) -> str:
     return f"{n} B"
 
 
-def _type_problem(value, hint) -> str | None:
-    """Why the JSON ``value`` does not fit the config field type ``hint`` (None: it fits, or the type is not checked)."""
+def _options_model(config: type) -> Any:
+    """A strict pydantic model of the config dataclass ``config``'s fields (nested config dataclasses as models too;
+    unknown fields refused), every field optional: it checks the fields an ``--option`` gives, as JSON."""
     import dataclasses
+    import functools
     import types
     import typing
 
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        problems = [_type_problem(value, a) for a in args]
-        if any(p is None for p in problems):
-            return None
-        return " or ".join(dict.fromkeys(p.split(", got ")[0] for p in problems if p)) + f", got {_json_type(value)}"
-    if hint is type(None):
-        return None if value is None else f"expected null, got {_json_type(value)}"
-    if origin is typing.Literal:
-        return None if value in args else f"expected one of {', '.join(map(repr, args))}, got {value!r}"
-    if hint is bool:
-        return None if isinstance(value, bool) else f"expected true or false, got {_json_type(value)}"
-    if hint is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else f"expected an integer, got {_json_type(value)}"
-    if hint is float:
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else f"expected a number, got {_json_type(value)}"
-    if hint is str:
-        return None if isinstance(value, str) else f"expected a string, got {_json_type(value)}"
-    if origin in (tuple, list):
-        return None if isinstance(value, list) else f"expected a JSON list, got {_json_type(value)}"
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            return f"expected a JSON object of {hint.__name__} fields, got {_json_type(value)}"
-        hints = typing.get_type_hints(hint)
-        for k, v in value.items():
-            if k not in hints:
-                return f"{hint.__name__} has no field {k!r}; its fields: {', '.join(hints)}"
-            problem = _type_problem(v, hints[k])
-            if problem:
-                return f"{k}: {problem}"
+    from pydantic import ConfigDict, create_model
+
+    @functools.cache
+    def model(dc: type) -> Any:
+        def field_type(hint: Any) -> Any:
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+                return model(hint)
+            origin, args = typing.get_origin(hint), typing.get_args(hint)
+            if origin in (typing.Union, types.UnionType):
+                return functools.reduce(lambda a, b: a | b, [field_type(a) for a in args])
+            return hint
+
+        hints = typing.get_type_hints(dc)
+        fields: dict[str, Any] = {f.name: (field_type(hints[f.name]), None) for f in dataclasses.fields(dc)}
+        return create_model(dc.__name__, __config__=ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True),
+                            **fields)
+
+    return model(config)
+
+
+def _option_problem(name: str, config: type, opts: dict[str, Any]) -> str | None:
+    """Why the JSON values ``opts`` do not fit the fields of the config dataclass ``config`` (pydantic, strict: a
+    boolean is no integer, a string no number), naming the field; None when they fit."""
+    import dataclasses
+    import typing
+
+    from pydantic import ValidationError
+
+    try:
+        _options_model(config).model_validate_json(json.dumps(opts))
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        if err["type"] == "extra_forbidden":  # an unknown field of a nested config: name its class and its fields
+            owner: Any = config
+            for part in loc[:-1]:
+                owner = typing.get_type_hints(owner)[part]
+            names = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+            return f"--option {name}.{loc[0]}: {getattr(owner, '__name__', owner)} has no field {loc[-1]!r}; its fields: {', '.join(names)}"
+        return f"--option {name}.{'.'.join(loc)}: {err['msg'][0].lower()}{err['msg'][1:]}, got {json.dumps(err['input'])}"
     return None
-
-
-def _json_type(value) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
-            type(None): "null"}.get(type(value), type(value).__name__) + (f" ({value!r})" if isinstance(value, str) else "")
 
 
 def _policy_options(items: list[str]) -> dict[str, dict]:
@@ -223,10 +230,9 @@ def _policy_options(items: list[str]) -> dict[str, dict]:
         if unknown:
             fields = ", ".join(hints) or "none"
             raise CarnatorError(f"--option: {name} has no field {', '.join(unknown)}; its fields: {fields}")
-        for fld, value in opts.items():
-            problem = _type_problem(value, hints[fld])
-            if problem:
-                raise CarnatorError(f"--option {name}.{fld}: {problem}")
+        problem = _option_problem(name, type(cfg), opts) if dataclasses.is_dataclass(cfg) else None
+        if problem:
+            raise CarnatorError(problem)
         try:
             klass(**opts)
         except (TypeError, ValueError) as e:
