@@ -81,7 +81,7 @@ def recall_pairs(warm, stream, embedder, nouns, *, top_k: int = 10, n: int | Non
 
     W, Q = _unit(embedder, [r.prompt for r in warm]), _unit(embedder, [r.prompt for r in stream])
     warm_nouns = [nouns(r.prompt) for r in warm]
-    out = []
+    out: list[tuple[str, str, int, str, int]] = []
     for r, q in zip(stream, Q):
         if n is not None and len(out) == n:
             break
@@ -198,7 +198,8 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
             r["acceptable"] = rule_for(r).label(r)   # this run's rule: a run resumed with other deltas relabels
             done[_row_key(r, tiered)] = r
     kw = {"num_inference_steps": steps, **dict(settings or {})}
-    todo = [i for i in range(len(pairs or ())) if (shard is None or i % shard[1] == shard[0])
+    pairs = pairs or ()
+    todo = [i for i in range(len(pairs)) if (shard is None or i % shard[1] == shard[0])
             and any(_row_key({"i": i, "resume_step": r}, tiered) not in done for r in at_steps)]
     t_start, n_todo = time.perf_counter(), len(todo)
     # every pair runs the same settings: their number of steps, recorded with each row (the file's meta.resume)
@@ -276,11 +277,11 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     tau_path = out_dir / "thresholds.json"
     # The step the certified reuses resumed at, of how many: the step a policy loading the file resumes at. Rows of
     # mixed steps (or from before rows recorded them) certify none in particular, and the file names none.
-    at_steps = {(r.get("resume_step"), r.get("num_steps")) for r in rows}
+    run_steps = {(r.get("resume_step"), r.get("num_steps")) for r in rows}
     resume = {}
-    if len(at_steps) == 1 and None not in next(iter(at_steps)):
-        r_step, r_of = next(iter(at_steps))
-        resume = {"resume": {"step": int(r_step), "of": int(r_of), "certified_steps": [int(r_step)]}}
+    only_step, only_of = next(iter(run_steps))
+    if len(run_steps) == 1 and only_step is not None and only_of is not None:
+        resume = {"resume": {"step": int(only_step), "of": int(only_of), "certified_steps": [int(only_step)]}}
     res.thresholds.save(tau_path, model_id=engine.model_identity, reading=reading,
                         meta={**res.to_dict(), "rule": rule.to_dict(), "judge": judge.identity, **resume,
                               "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text, "decision_rule": cfg.rule})

@@ -11,9 +11,14 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import CarnatorError
+
+if TYPE_CHECKING:
+    from .request import Params
 
 #: the policies ``--policy`` offers (the registry's names, :func:`carnator.policies.policy_names`; a test keeps them
 #: equal): listed here so that parsing a command line does not import the policies (torch, scipy)
@@ -48,6 +53,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _later(text: Callable[[], str]) -> str:
+    """A help text computed when shown (:class:`_HelpFormatter` calls it), passed where argparse types a string."""
+    return cast(str, text)
 
 
 def _int_in(lo: int, hi: int):
@@ -141,48 +151,55 @@ def _size_words(n: int | None) -> str:
     return f"{n} B"
 
 
-def _type_problem(value, hint) -> str | None:
-    """Why the JSON ``value`` does not fit the config field type ``hint`` (None: it fits, or the type is not checked)."""
+def _options_model(config: type) -> Any:
+    """A strict pydantic model of the config dataclass ``config``'s fields (nested config dataclasses as models too;
+    unknown fields refused), every field optional: it checks the fields an ``--option`` gives, as JSON."""
     import dataclasses
+    import functools
     import types
     import typing
 
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        problems = [_type_problem(value, a) for a in args]
-        if any(p is None for p in problems):
-            return None
-        return " or ".join(dict.fromkeys(p.split(", got ")[0] for p in problems if p)) + f", got {_json_type(value)}"
-    if hint is type(None):
-        return None if value is None else f"expected null, got {_json_type(value)}"
-    if origin is typing.Literal:
-        return None if value in args else f"expected one of {', '.join(map(repr, args))}, got {value!r}"
-    if hint is bool:
-        return None if isinstance(value, bool) else f"expected true or false, got {_json_type(value)}"
-    if hint is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else f"expected an integer, got {_json_type(value)}"
-    if hint is float:
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else f"expected a number, got {_json_type(value)}"
-    if hint is str:
-        return None if isinstance(value, str) else f"expected a string, got {_json_type(value)}"
-    if origin in (tuple, list):
-        return None if isinstance(value, list) else f"expected a JSON list, got {_json_type(value)}"
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            return f"expected a JSON object of {hint.__name__} fields, got {_json_type(value)}"
-        hints = typing.get_type_hints(hint)
-        for k, v in value.items():
-            if k not in hints:
-                return f"{hint.__name__} has no field {k!r}; its fields: {', '.join(hints)}"
-            problem = _type_problem(v, hints[k])
-            if problem:
-                return f"{k}: {problem}"
+    from pydantic import ConfigDict, create_model
+
+    @functools.cache
+    def model(dc: type) -> Any:
+        def field_type(hint: Any) -> Any:
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+                return model(hint)
+            origin, args = typing.get_origin(hint), typing.get_args(hint)
+            if origin in (typing.Union, types.UnionType):
+                return functools.reduce(lambda a, b: a | b, [field_type(a) for a in args])
+            return hint
+
+        hints = typing.get_type_hints(dc)
+        fields: dict[str, Any] = {f.name: (field_type(hints[f.name]), None) for f in dataclasses.fields(dc)}
+        return create_model(dc.__name__, __config__=ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True),
+                            **fields)
+
+    return model(config)
+
+
+def _option_problem(name: str, config: type, opts: dict[str, Any]) -> str | None:
+    """Why the JSON values ``opts`` do not fit the fields of the config dataclass ``config`` (pydantic, strict: a
+    boolean is no integer, a string no number), naming the field; None when they fit."""
+    import dataclasses
+    import typing
+
+    from pydantic import ValidationError
+
+    try:
+        _options_model(config).model_validate_json(json.dumps(opts))
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        if err["type"] == "extra_forbidden":  # an unknown field of a nested config: name its class and its fields
+            owner: Any = config
+            for part in loc[:-1]:
+                owner = typing.get_type_hints(owner)[part]
+            names = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+            return f"--option {name}.{loc[0]}: {getattr(owner, '__name__', owner)} has no field {loc[-1]!r}; its fields: {', '.join(names)}"
+        return f"--option {name}.{'.'.join(loc)}: {err['msg'][0].lower()}{err['msg'][1:]}, got {json.dumps(err['input'])}"
     return None
-
-
-def _json_type(value) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
-            type(None): "null"}.get(type(value), type(value).__name__) + (f" ({value!r})" if isinstance(value, str) else "")
 
 
 def _policy_options(items: list[str]) -> dict[str, dict]:
@@ -213,10 +230,9 @@ def _policy_options(items: list[str]) -> dict[str, dict]:
         if unknown:
             fields = ", ".join(hints) or "none"
             raise CarnatorError(f"--option: {name} has no field {', '.join(unknown)}; its fields: {fields}")
-        for fld, value in opts.items():
-            problem = _type_problem(value, hints[fld])
-            if problem:
-                raise CarnatorError(f"--option {name}.{fld}: {problem}")
+        problem = _option_problem(name, type(cfg), opts) if dataclasses.is_dataclass(cfg) else None
+        if problem:
+            raise CarnatorError(problem)
         try:
             klass(**opts)
         except (TypeError, ValueError) as e:
@@ -232,9 +248,9 @@ def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--intra-cache", default=None, metavar="KIND[:OPT=VAL,...]",
-        help=lambda: "also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
+        help=_later(lambda: "also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
                      f"Kinds (options, defaults): {describe_kinds()}. Ranges are LO..HI; mag ratios R0/R1/... or @file.json. "
-                     "See docs/METHOD.md.",
+                     "See docs/METHOD.md."),
     )
 
 
@@ -269,6 +285,15 @@ def _engine(args):
                                     blobs=getattr(args, "blobs", None), torch_dtype=torch_dtype)
 
 
+def _params(args: argparse.Namespace) -> Params:
+    """The request ``carnator generate``'s flags ask for."""
+    from .request import Params
+
+    return Params(prompt=args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
+                  num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
+                  guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, cache=args.cache)
+
+
 def cmd_generate(args) -> int:
     from .video import check_fps, write_video
 
@@ -295,11 +320,7 @@ def cmd_generate(args) -> int:
         bar.update(done - bar.n)
 
     try:
-        res = eng.generate(
-            args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
-            num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
-            guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, cache=args.cache, progress=progress,
-        )
+        res = eng.run(_params(args), progress=progress)
     finally:
         if bar is not None:
             bar.close()
@@ -740,15 +761,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "baselines nirvana, chorus, chorus2 (default: %(default)s)")
     g.add_argument("--negative-prompt", default=None, help="what the video should not show (default: the model's)")
     g.add_argument("--steps", type=int, default=None,
-                   help=lambda: f"denoising steps, at most 1000 (default: the model's; embedded: {_embedded_default('num_inference_steps')})")
+                   help=_later(lambda: f"denoising steps, at most 1000 (default: the model's; embedded: {_embedded_default('num_inference_steps')})"))
     g.add_argument("--frames", type=int, default=None,
-                   help=lambda: f"frames of the video (default: the model's; the embedded model makes {_embedded_default('frames')} only)")
+                   help=_later(lambda: f"frames of the video (default: the model's; the embedded model makes {_embedded_default('frames')} only)"))
     g.add_argument("--height", type=int, default=None,
-                   help=lambda: f"height in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)")
+                   help=_later(lambda: f"height in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)"))
     g.add_argument("--width", type=int, default=None,
-                   help=lambda: f"width in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)")
+                   help=_later(lambda: f"width in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)"))
     g.add_argument("--guidance", type=float, default=None,
-                   help=lambda: f"classifier-free guidance scale, in [0, 100] (default: the model's; embedded: {_embedded_default('guidance_scale')})")
+                   help=_later(lambda: f"classifier-free guidance scale, in [0, 100] (default: the model's; embedded: {_embedded_default('guidance_scale')})"))
     g.add_argument("--tenant", default="default", help="cache namespace: entries are reused within their tenant only (default: %(default)s)")
     g.add_argument("--out", default="out.mp4", help="output video, .mp4 (H.264) or .gif (default: ./%(default)s)")
     g.add_argument("--fps", type=_int_in(1, 240), default=8, help="frames per second of the output, 1-240 (.gif: 1-50) (default: %(default)s)")
@@ -777,9 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "given here is never emptied)")
     d.add_argument("--policy", choices=POLICIES, default="carnator", help="the policy the stream runs through (default: %(default)s)")
     d.add_argument("--steps", type=int, default=None,
-                   help=lambda: f"denoising steps (default: the model's, {_embedded_default('num_inference_steps')}; the carnator "
+                   help=_later(lambda: f"denoising steps (default: the model's, {_embedded_default('num_inference_steps')}; the carnator "
                                 "policy resumes at the step its thresholds file is certified at, 45 of 50 on the embedded model, scaled to fewer "
-                                "steps)")
+                                "steps)"))
     d.add_argument("--out", default="carnator-demo", help="output folder: clips, demo.json, index.html (default: ./%(default)s)")
     d.add_argument("--keep-cache", action="store_true",
                    help="start from what OUT/cache holds from an earlier run (the demo then says it replays)")

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,7 +127,8 @@ class CarnatorConfig:
             raise ValueError(f"CarnatorConfig.probe_steps must be >= 1, got {self.probe_steps}")
         if self.resume_step is not None and (not isinstance(self.resume_step, int) or self.resume_step < 1):
             raise ValueError(f"CarnatorConfig.resume_step must be an integer >= 1 or None, got {self.resume_step!r}")
-        self.window = tuple(self.window)
+        lo, hi = self.window
+        self.window = (float(lo), float(hi))
         # Nested settings may come as plain dicts (EngineConfig.policy_options read from JSON or a CLI).
         for name, klass in (("sparse", SparseConfig), ("region", RegionConfig), ("scope", ScopeConfig), ("compat", CompatConfig)):
             value = getattr(self, name)
@@ -138,7 +141,7 @@ class CarnatorPolicy(Policy):
     name = "carnator"
     needs_attention = True
 
-    def __init__(self, config: CarnatorConfig | None = None, **overrides):
+    def __init__(self, config: CarnatorConfig | None = None, **overrides: Any) -> None:
         self.cfg = config or CarnatorConfig(**overrides)
         self.tau: Thresholds = Thresholds()
         #: whether ``tau`` was certified (``carnator calibrate``) for this model and reading
@@ -162,9 +165,8 @@ class CarnatorPolicy(Policy):
         the embedded model, else the paper's."""
         self.certified_resume = None
         self.tiers = {}
-        path = self.cfg.thresholds
-        if path is not None:
-            self._load(path, model)
+        if self.cfg.thresholds is not None:
+            self._load(self.cfg.thresholds, model)
             return
         if model.family == "embedded" and SHIPPED_THRESHOLDS.exists():
             path = SHIPPED_THRESHOLDS
@@ -193,7 +195,7 @@ class CarnatorPolicy(Policy):
                 return needs
         return None
 
-    def _load(self, path, model: ModelInfo) -> None:
+    def _load(self, path: str | os.PathLike[str], model: ModelInfo) -> None:
         self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading(), judge=self.cfg.judge)
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
@@ -207,7 +209,8 @@ class CarnatorPolicy(Policy):
             self.certified = False
             why = f"; certified only with the admission gate {needs}, which this engine does not apply"
             log.warning("thresholds %s%s", path, why)
-        steps = None if self.certified_resume is None else self.certified_resume.get("certified_steps", [self.certified_resume["step"]])
+        resume_meta = self.certified_resume
+        steps = None if resume_meta is None else resume_meta.get("certified_steps", [resume_meta["step"]])
         if self.certified and self.cfg.resume_step is not None and self.tiers:
             # A tier's certificate holds at its own step: one step for every kind says nothing of theirs.
             self.certified = False
@@ -216,7 +219,7 @@ class CarnatorPolicy(Policy):
         elif self.certified and self.cfg.resume_step is not None and steps is not None and self.cfg.resume_step not in steps:
             # A later resume step recomputes less: the certificate of one step says nothing of another.
             self.certified = False
-            why += f"; certified at resume steps {steps} of {self.certified_resume['of']}, not {self.cfg.resume_step}"
+            why += f"; certified at resume steps {steps} of {resume_meta['of'] if resume_meta else '?'}, not {self.cfg.resume_step}"
             log.warning("thresholds %s%s", path, why)
         self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'}{why})"
 
@@ -296,13 +299,13 @@ class CarnatorPolicy(Policy):
         # (open thresholds), the plan's target region is the probe's evidence.
         return not self.content_only()
 
-    def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None):
+    def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None) -> list[tuple[Candidate, NounDiff]]:
         """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds
         read one), with their noun diffs, in recall order; never an entry that was itself a reuse, nor (with
         ``admitted_only``) one whose own clip failed the admission judge."""
         if need_signature is None:
             need_signature = self.uses_signature()
-        out = []
+        out: list[tuple[Candidate, NounDiff]] = []
         for c in inputs.candidates:
             if self.cfg.admitted_only and c.meta.extra.get("admitted") is False:
                 continue  # its own output failed the admission judge: never a source
@@ -322,7 +325,7 @@ class CarnatorPolicy(Policy):
         if self.tiers:
             # With tiers, only a candidate whose kind of change has one can be reused: those first, the one that keeps
             # the most of its trajectory (the latest resume step) first among them, recall order otherwise.
-            def rank(cd):
+            def rank(cd: tuple[Candidate, NounDiff]) -> tuple[bool, float]:
                 t = self.tier_for(inputs, cd[0])
                 return (t is None, 0 if t is None else -t.step / t.of)
             out.sort(key=rank)
@@ -341,7 +344,7 @@ class CarnatorPolicy(Policy):
         """The certified tier that reuses candidate ``c`` for this request (None: its kind of change has none)."""
         return self.tiers.get(self.change(inputs, c)) if self.tiers else None
 
-    def prefetch(self, inputs: DecisionInputs):
+    def prefetch(self, inputs: DecisionInputs) -> tuple[str, list[str] | None] | None:
         cands = self.candidates(inputs)
         sim = None if not cands else cands[0][0].similarity
         if not cands or not self.cfg.prefetch or (sim is not None and 1.0 - sim > self.tau.text):
@@ -393,8 +396,11 @@ class CarnatorPolicy(Policy):
         for c, diff in cands[: self.cfg.tested]:
             try:
                 theirs = c.meta.extra.get("signature")
-                tested.append((c, diff, EarlySignature() if theirs is None and not self.uses_signature()
-                               else EarlySignature.from_dict(theirs)))
+                if theirs is None and not self.uses_signature():
+                    tested.append((c, diff, EarlySignature()))
+                elif isinstance(theirs, dict):
+                    tested.append((c, diff, EarlySignature.from_dict(theirs)))
+                # else: no signature to test (a null one read as an AttributeError before)
             except (ValueError, KeyError, TypeError):
                 continue
         contents = [None if inputs.content is None else content_distance(inputs.content, c.meta.extra.get("content"))
@@ -403,7 +409,7 @@ class CarnatorPolicy(Policy):
                                self.cfg.compat)
         results = won.tested
         if inputs.signature is None:  # no probe ran: context was not measured (not the paper's 0 for no shared noun)
-            results = [replace(d, context=math.inf) for d in results]
+            results = tuple(replace(d, context=math.inf) for d in results)
         notes["tested"] = [{"id": c.meta.id, "similarity": c.similarity, "discrepancies": d.to_dict(),
                             "risk": None if self.tau.risk is None else self.tau.risk.risk(d)}
                            for (c, _, _), d in zip(tested, results)]
@@ -425,7 +431,7 @@ class CarnatorPolicy(Policy):
             details={**notes, "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
         )
 
-    def _decide_tier(self, inputs: DecisionInputs, cand, notes: dict) -> Decision:
+    def _decide_tier(self, inputs: DecisionInputs, cand: tuple[Candidate, NounDiff], notes: dict) -> Decision:
         """The decision under risk tiers: the first candidate (ranked by :meth:`candidates`) is reused by its kind of
         change's tier, or the request misses naming the kind."""
         c, diff = cand
@@ -462,6 +468,7 @@ class CarnatorPolicy(Policy):
         # object is recomputed, not kept as a ghost); with no substitution, every noun's.
         sub = decision.details.get("substituted")
         source_nouns = decision.details.get("source_nouns", [])
+        masks: list[np.ndarray | None]
         if sub is not None:
             oq, oj = sub
             masks = [inputs.regions.get(oq)]
@@ -471,12 +478,12 @@ class CarnatorPolicy(Policy):
             source = [EVIDENCE_PREFIX + w for w in source_nouns]
         if decision.regions is not None:  # an injected decision's own target (a replay)
             masks = list(decision.regions) if sub is None else [decision.regions[0]]
-        masks = tuple(m for m in masks if m is not None)
+        found = tuple(m for m in masks if m is not None)
         frame = (decision.details.get("tier") or {}).get("scope") == "frame"
         if frame:
-            masks, source = (), []   # a frame tier recomputes every token from its step: nothing of the source is blended in
+            found, source = (), []   # a frame tier recomputes every token from its step: nothing of the source is blended in
         # no probe ran (a content-only rule) or a frame tier: no region, the whole frame is recomputed (Active 1.0)
-        region = RegionSpec(scope=cfg.scope, masks=masks, source_masks=tuple(source) if masks else (),
+        region = RegionSpec(scope=cfg.scope, masks=found, source_masks=tuple(source) if found else (),
                             everywhere_if_empty=inputs.signature is None or frame)
         masks_apply = inputs.sparse is not None
         return ReusePlan(

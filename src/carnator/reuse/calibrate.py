@@ -322,7 +322,8 @@ def _search4(r: np.ndarray, unsafe: np.ndarray, keep: np.ndarray, sizes: Sequenc
         kv = int(key.flat[flat])
         if kv > best_key:
             best_key = kv
-            best = (c0, *(int(i) for i in np.unravel_index(flat, key.shape)))
+            i1, i2, i3 = (int(i) for i in np.unravel_index(flat, key.shape))
+            best = (c0, i1, i2, i3)
     return best_key, best
 
 
@@ -353,7 +354,8 @@ def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candid
         key, inner = _search4(r, unsafe, keep, sizes[:4], n, kmax, allowed, sum(outer))
         if key > best_key:
             best_key, best = key, (*inner, *outer)
-    tau = Thresholds(**{k: float(cands[i][best[i]]) for i, k in enumerate(DIMENSIONS)})
+    chosen: dict[str, Any] = {k: float(cands[i][best[i]]) for i, k in enumerate(DIMENSIONS)}
+    tau = Thresholds(**chosen)
     acc_n, uns_n = evaluate(pairs, tau)
     return tau, acc_n, uns_n
 
@@ -376,7 +378,7 @@ def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0) -> tuple[np.ndar
     reg = np.full(A.shape[1], float(l2))
     reg[-1] = 0.0
 
-    def f(t):
+    def f(t: np.ndarray) -> float:
         return 0.5 * (reg * t) @ t - log_expit(s * (A @ t)).sum()
 
     t = np.zeros(A.shape[1])
@@ -410,7 +412,7 @@ def select_risk(pairs: Sequence[CalibrationPair], delta: float, confidence: floa
         w, b = np.zeros(X.shape[1]), 0.0
     else:
         w, b = fit_logistic(X[ok], unsafe[ok], l2)
-    off = dict.fromkeys(DIMENSIONS, math.inf)
+    off: dict[str, Any] = dict.fromkeys(DIMENSIONS, math.inf)
     base = RiskScore(tuple(w), b, -1.0)
     # Scored through RiskScore.risk itself, not a vectorized copy: the threshold is then exactly the value the policy
     # and evaluate() compare against. NaN inputs give NaN: never accepted.

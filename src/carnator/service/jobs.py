@@ -27,6 +27,7 @@ processes).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import hashlib
@@ -130,7 +131,7 @@ class JobStore(Protocol):
         """The tenant's jobs by submission order (``desc``: newest first), starting after the job ``after``; the page
         and whether more follow."""
 
-    def queued_tenants(self) -> list[str]:
+    def queued_tenants(self) -> builtins.list[str]:
         """Tenants with queued jobs, sorted."""
 
     def claim(self, tenant: str, worker: str) -> Job | None:
@@ -150,7 +151,7 @@ class JobStore(Protocol):
     def cancel(self, tenant: str, job_id: str) -> Job | None:
         """Cancel a queued job at once, or ask an in-progress one to stop; the job after that, None when missing."""
 
-    def recover(self, max_attempts: int) -> dict[str, list[str]]:
+    def recover(self, max_attempts: int) -> dict[str, builtins.list[str]]:
         """Start-up: jobs left in progress are requeued, failed (attempts used up) or cancelled (asked); their ids."""
 
     def counts(self) -> dict[str, int]:
@@ -165,7 +166,7 @@ class JobStore(Protocol):
     def video_path(self, tenant: str, job_id: str, variant: str) -> Path | None:
         """The published video of the tenant's completed job, or None."""
 
-    def history(self, job_id: str) -> list[dict[str, Any]]:
+    def history(self, job_id: str) -> builtins.list[dict[str, Any]]:
         """The job's audit log: submitted, claimed (attempt), progress never, requeued, finished (status)."""
 
     def healthy(self) -> str | None:
@@ -462,7 +463,7 @@ class SqlJobStore(VideoFiles):
 
         return self._tx(page)
 
-    def queued_tenants(self) -> list[str]:
+    def queued_tenants(self) -> builtins.list[str]:
         j = self.tables.jobs
         q = sa.select(j.c.tenant).where(j.c.status == QUEUED).distinct().order_by(j.c.tenant)
         return self._tx(lambda c: list(c.execute(q).scalars()))
@@ -557,7 +558,7 @@ class SqlJobStore(VideoFiles):
 
         return self._tx(stop, critical=True)
 
-    def recover(self, max_attempts: int) -> dict[str, list[str]]:
+    def recover(self, max_attempts: int) -> dict[str, builtins.list[str]]:
         j = self.tables.jobs
         out: dict[str, list[str]] = {"requeued": [], "failed": [], "cancelled": []}
 
@@ -595,7 +596,7 @@ class SqlJobStore(VideoFiles):
         q = sa.select(sa.func.count()).select_from(j).where(j.c.status == QUEUED, j.c.tenant == tenant)
         return int(self._tx(lambda c: c.execute(q).scalar_one()))
 
-    def history(self, job_id: str) -> list[dict[str, Any]]:
+    def history(self, job_id: str) -> builtins.list[dict[str, Any]]:
         e = self.tables.events
         q = sa.select(e.c.kind, e.c.attempt, e.c.at, e.c.detail).where(e.c.job_id == job_id).order_by(e.c.seq)
         return [{"kind": k, "attempt": a, "at": t, "detail": d} for k, a, t, d in self._tx(lambda c: c.execute(q).all())]

@@ -64,7 +64,7 @@ class _Gauges:
     def describe(self) -> Iterable:  # no call at registration (the store may be slow)
         return []
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         try:
             counts = self._jobs()
         except Exception:  # a scrape never fails for a busy or full disk

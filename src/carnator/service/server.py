@@ -10,6 +10,7 @@ listen and print the URL. Ctrl-C (or SIGTERM): the running jobs stop at their ne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import ipaddress
 import json
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CarnatorError
+from ..request import Params
 from .events import EventHub
 from .jobs import VIDEO_DIR, JobStore, SqliteJobStore
 from .metrics import ServiceMetrics
@@ -165,20 +167,17 @@ class Service:
         self.recovered: dict[str, list[str]] = {}
         self._started = False
 
-    def validate(self, params: dict[str, Any], tenant: str) -> None:
-        """InvalidRequestError (a CarnatorError) when the engine would refuse the request; else fills in ``params``'
-        unset settings with the model's defaults, so that the job's ``request`` is the request as run."""
+    def validate(self, params: Params) -> Params:
+        """InvalidRequestError (a CarnatorError) when the engine would refuse the request; else ``params`` with its
+        unset settings filled in with the model's defaults, so that the job's ``request`` is the request as run."""
         from ..errors import InvalidRequestError
 
-        steps = params.get("num_inference_steps")
+        steps = params.num_inference_steps
         if steps is not None and steps > self.max_steps:
             raise InvalidRequestError(f"num_inference_steps must be at most {self.max_steps} on this server, got {steps}")
-        self.engine.policy(params.get("policy", "carnator"))
-        req = self.engine.resolve(params["prompt"], seed=params["seed"], tenant=tenant,
-                                  negative_prompt=params.get("negative_prompt"), num_inference_steps=steps,
-                                  num_frames=params.get("num_frames"), height=params.get("height"),
-                                  width=params.get("width"), guidance_scale=params.get("guidance_scale"))
-        params.update(req.settings())
+        self.engine.policy(params.policy)
+        req = self.engine.resolve(params.prompt, seed=params.seed, **params.settings())
+        return dataclasses.replace(params, **req.settings())
 
     def start(self) -> None:
         if self._started:
@@ -299,7 +298,7 @@ class _NoBindError(logging.Filter):
 class _Server:
     """uvicorn's server, printing the URL once listening and starting the drain at the first signal."""
 
-    def __new__(cls, config, service: Service, say: Callable[[str], None]):
+    def __new__(cls, config: Any, service: Service, say: Callable[[str], None]) -> Any:  # a uvicorn.Server
         import uvicorn
 
         class Server(uvicorn.Server):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CacheError, Cancelled, CarnatorError, InvalidRequestError
+from ..request import Params
 from ..video import write_video
 from .events import DONE, EventHub
 from .jobs import CANCELLED, COMPLETED, FAILED, Job, JobStore, JobStoreError
@@ -302,12 +303,8 @@ class WorkerPool:
             return self._stopped_job(job)
         t0 = time.perf_counter()
         try:
-            res = eng.generate(
-                p["prompt"], seed=p["seed"], policy=p.get("policy", "carnator"), negative_prompt=p.get("negative_prompt"),
-                num_inference_steps=p.get("num_inference_steps"), num_frames=p.get("num_frames"), height=p.get("height"),
-                width=p.get("width"), guidance_scale=p.get("guidance_scale"), tenant=job.tenant,
-                cache=p.get("cache", "reuse"), store=p.get("store", True), progress=progress, cancel=cancel, events=events,
-            )
+            params = Params.from_dict({"cache": "reuse", **p}, tenant=job.tenant)
+            res = eng.run(params, progress=progress, cancel=cancel, events=events)
         except Cancelled:
             return self._stopped_job(job)
         except InvalidRequestError as e:
