@@ -643,10 +643,11 @@ class SqlJobStore(VideoFiles):
         def add(c: sa.Connection) -> dict[str, Any]:
             self._serialise_submit(c)
             same = (a.c.thresholds == verdict["thresholds"], a.c.kind == verdict["kind"], a.c.step == int(verdict["step"]))
-            n, bad = c.execute(sa.select(sa.func.count(), sa.func.sum(sa.case((a.c.acceptable, 0), else_=1)))
-                               .where(*same)).one()
+            n, bad, was = c.execute(sa.select(sa.func.count(), sa.func.sum(sa.case((a.c.acceptable, 0), else_=1)),
+                                              sa.func.max(sa.case((a.c.disabled, 1), else_=0))).where(*same)).one()
             n, bad = int(n or 0) + 1, int(bad or 0) + (0 if verdict["acceptable"] else 1)
             st = dict(state(n, bad))
+            st["disabled"] = bool(st["disabled"]) or bool(was)   # a disabled tier stays so for this thresholds file
             row = {"job_id": verdict["job_id"], "tenant": verdict["tenant"], "thresholds": verdict["thresholds"],
                    "kind": verdict["kind"], "step": int(verdict["step"]), "of": verdict.get("of"),
                    "acceptable": bool(verdict["acceptable"]), "scores": json.dumps(verdict.get("scores") or {}),
