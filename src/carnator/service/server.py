@@ -62,6 +62,7 @@ class ServeConfig:
     audit: float = 0.1
     audit_budget: float = 0.1
     audit_judge: str | None = None
+    audit_seed: int | None = None
 
 
 def load_keys(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -158,7 +159,8 @@ class Service:
         from .audit import AuditConfig, Auditor
 
         self.auditor = Auditor(self.store, engines, AuditConfig(rate=config.audit, budget=config.audit_budget,
-                                                                judge=config.audit_judge), self.metrics, self.hub)
+                                                                judge=config.audit_judge, seed=config.audit_seed),
+                               self.metrics, self.hub)
         self.metrics.add_audit(self.auditor.report)
         self.pool = WorkerPool(self.store, [Device(n, e) for n, e in zip(names, engines)], self.hub, self.metrics,
                                fps=config.fps, auditor=self.auditor if self.auditor.enabled else None)
