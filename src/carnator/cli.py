@@ -942,8 +942,92 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--router", choices=("affinity", "pow2"), default="affinity",
                    help="with --replicas: affinity (default: related prompts go to the replica that produced their recall "
                         "neighbours unless it is busy) or pow2 (Ray Serve's default power-of-two choices, for comparison)")
+    s.add_argument("--audit", type=_fraction, default=0.1, metavar="RATE",
+                   help="share of approximate hits re-run densely on idle device time and judged with the thresholds "
+                        "file's judge and rule, for a live bound per kind of change and tier (docs/SERVING.md); a tier "
+                        "whose audits show it unsafe is disabled. 0: off (default: %(default)s)")
+    s.add_argument("--audit-budget", type=_fraction, default=0.1, metavar="SHARE",
+                   help="most share of device time the audits take (default: %(default)s)")
+    s.add_argument("--audit-judge", default=None, metavar="NAME[=ARG]",
+                   help="the judge the thresholds file was certified by, when it needs an argument (e.g. clip=DIR); "
+                        "default: the one the file names")
     s.set_defaults(func=cmd_serve)
+
+    a = sub.add_parser("audit", help="the live audit of a service's reuse: verdicts and bounds per kind and tier",
+                       description="Report the shadow audits a carnator serve recorded in its job store (jobs.sqlite in "
+                                   "the cache directory, or a postgresql:// --store): per kind of change and tier, the "
+                                   "verdicts, the unsafe among them, the Clopper-Pearson bounds at the thresholds file's "
+                                   "confidence, and whether the tier is disabled. Works offline, on a stopped server's store.")
+    a.add_argument("--cache-dir", default=None, help="the server's cache directory (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
+    a.add_argument("--store", default=None, metavar="postgresql://...", help="the server's shared store (its job table)")
+    a.add_argument("--thresholds", default=None, metavar="PATH",
+                   help="only the verdicts of this thresholds file, with its delta and confidence (default: every file "
+                        "the verdicts were recorded under, each at delta 0.05 / confidence 0.9 unless given)")
+    a.add_argument("--delta", type=_fraction, default=None, help="delta (default: the thresholds file's, else 0.05)")
+    a.add_argument("--confidence", type=_fraction, default=None, help="confidence (default: the file's, else 0.9)")
+    a.add_argument("--verdicts", action="store_true", help="also list every verdict (job, kind, tier, scores)")
+    a.add_argument("--json", action="store_true", help="one JSON object")
+    a.set_defaults(func=cmd_audit)
     return ap
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return v
+
+
+def cmd_audit(args) -> int:
+    from .service.audit import certificate_of, format_report, live_bounds, thresholds_identity, verdicts_to_disable
+
+    try:
+        from .service.server import open_job_store
+    except ImportError as e:
+        raise CarnatorError(f"carnator audit needs the serve extra: pip install 'carnator[serve]' ({e.name} is missing)") from None
+    from .cache import default_cache_dir
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    if not args.store and not (cache_dir / "jobs.sqlite").is_file():
+        raise CarnatorError(f"no job table in {cache_dir} (jobs.sqlite): pass the server's --cache-dir or --store")
+    store = open_job_store(args.store, cache_dir)
+    try:
+        only = thresholds_identity(args.thresholds) if args.thresholds else None
+        rows = store.audit_verdicts(only)
+    finally:
+        store.close()
+    delta, conf = 0.05, 0.9
+    if args.thresholds:
+        cert = certificate_of(args.thresholds)
+        delta, conf = cert.delta, cert.confidence
+    delta = args.delta if args.delta is not None else delta
+    conf = args.confidence if args.confidence is not None else conf
+    reports = []
+    for ident in dict.fromkeys(r["thresholds"] for r in rows) or ([only] if only else []):
+        mine = [r for r in rows if r["thresholds"] == ident]
+        reports.append({"thresholds": ident, "delta": delta, "confidence": conf,
+                        "verdicts_to_disable": verdicts_to_disable(delta, conf),
+                        "tiers": [{**t, "tier": f"{t['step']}/{t['of']}" if t["of"] else str(t["step"])}
+                                  for t in live_bounds(mine, delta, conf)],
+                        **({"verdicts": mine} if args.verdicts else {})})
+    if args.json:
+        print(json.dumps({"reports": reports}, default=str))
+        return 0
+    if not reports:
+        print("no audit verdicts in this job store")
+    for rep in reports:
+        print(f"thresholds {rep['thresholds']}: delta {rep['delta']:g}, confidence {rep['confidence']:g} (all-unsafe "
+              f"verdicts to disable a tier: {rep['verdicts_to_disable']})")
+        for line in format_report(rep):
+            print("  " + line)
+        for v in rep.get("verdicts", []):
+            scores = " ".join(f"{k}={v['scores']['reuse'].get(k)}/{v['scores']['dense'].get(k)}" for k in v["scores"].get("reuse", {}))
+            print(f"    {v['job_id']} {v['kind']} {v['step']}/{v['of']} {'safe' if v['acceptable'] else 'UNSAFE'} "
+                  f"reuse/dense {scores}")
+    return 0
 
 
 def cmd_serve(args) -> int:

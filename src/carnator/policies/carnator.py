@@ -151,6 +151,11 @@ class CarnatorPolicy(Policy):
         self.certified_resume: dict | None = None
         #: the file's certified risk tiers by kind of change ({}: no tiers, the thresholds decide)
         self.tiers: dict[str, Tier] = {}
+        #: the thresholds file loaded (None: the paper's thresholds)
+        self.thresholds_path: Path | None = None
+        #: (kind of change, step) pairs this policy does not reuse by, whatever its thresholds certify: plain data an
+        #: operator's live audit sets (:meth:`disable`); step as :meth:`audit_tier` names it
+        self.disabled_tiers: frozenset[tuple[str, int]] = frozenset()
         if self.cfg.thresholds is not None and not Path(self.cfg.thresholds).is_file():
             raise CarnatorError(f"thresholds file {self.cfg.thresholds} does not exist")
 
@@ -165,6 +170,7 @@ class CarnatorPolicy(Policy):
         the embedded model, else the paper's."""
         self.certified_resume = None
         self.tiers = {}
+        self.thresholds_path: Path | None = None
         if self.cfg.thresholds is not None:
             self._load(self.cfg.thresholds, model)
             return
@@ -197,6 +203,7 @@ class CarnatorPolicy(Policy):
 
     def _load(self, path: str | os.PathLike[str], model: ModelInfo) -> None:
         self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading(), judge=self.cfg.judge)
+        self.thresholds_path = Path(path)
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
         self.tiers = {t.kind: t for t in self.tau.tiers if t.certified}
@@ -342,7 +349,37 @@ class CarnatorPolicy(Policy):
 
     def tier_for(self, inputs: DecisionInputs, c: Candidate) -> Tier | None:
         """The certified tier that reuses candidate ``c`` for this request (None: its kind of change has none)."""
-        return self.tiers.get(self.change(inputs, c)) if self.tiers else None
+        if not self.tiers:
+            return None
+        tier = self.tiers.get(self.change(inputs, c))
+        return None if tier is None or (tier.kind, tier.step) in self.disabled_tiers else tier
+
+    # ---- live audits -------------------------------------------------------------------------------------
+    def audit_tier(self, kind: str) -> tuple[int, int | None]:
+        """The tier a reuse of ``kind`` runs by, as a live audit names it: ``(step, of)``, the resume step on the
+        thresholds file's own scale (a tier's, else the file's certified resume step, else the configured one)."""
+        tier = self.tiers.get(kind) if self.tiers else None
+        if tier is not None:
+            return tier.step, tier.of
+        if self.cfg.resume_step is None and self.certified_resume is not None:
+            return int(self.certified_resume["step"]), int(self.certified_resume["of"])
+        return (self.cfg.resume_step or DEFAULT_RESUME_STEP), None
+
+    def disable(self, tiers) -> None:
+        """Stop reusing by these ``(kind, step)`` tiers (plain data; an empty set enables every tier again). A
+        request of such a kind then runs as it would without the tier: a miss that says so."""
+        self.disabled_tiers = frozenset((str(k), int(s)) for k, s in tiers)
+
+    def _disabled(self, kind: str) -> str | None:
+        """Why a reuse of ``kind`` is off (its tier disabled by a live audit), or None."""
+        if not self.disabled_tiers:
+            return None
+        step, of = self.audit_tier(kind)
+        if (kind, step) not in self.disabled_tiers:
+            return None
+        return (f"the {kind} tier (step {step}{'' if of is None else f' of {of}'}) is disabled: the live audit of its "
+                "hits bounds their unsafe share above the certificate's delta (it resumes when a new thresholds file is "
+                "loaded)")
 
     def prefetch(self, inputs: DecisionInputs) -> tuple[str, list[str] | None] | None:
         cands = self.candidates(inputs)
@@ -422,6 +459,14 @@ class CarnatorPolicy(Policy):
                                  details=notes, similarity=c.similarity, discrepancies=results[0])
         c, diff, _ = tested[won.index]
         d = results[won.index]
+        kind = self.change(inputs, c)
+        off = self._disabled(kind)
+        if off is not None:
+            step, of = self.audit_tier(kind)
+            notes.update(change=kind, disabled_tier={"kind": kind, "step": step, "of": of})
+            return Decision.miss(f"{c.meta.id[:8]} is compatible, but {off}", details=notes, similarity=c.similarity)
+        step, of = self.audit_tier(kind)
+        notes.update(change=kind, audit={"kind": kind, "step": step, "of": of})
         notes["discrepancies"] = {k: (None if v is None else float(v)) for k, v in vars(d).items()}
         return Decision(
             reuse=True, source_id=c.meta.id, similarity=c.similarity, discrepancies=d, certified=self.certified,
@@ -439,6 +484,11 @@ class CarnatorPolicy(Policy):
         what = "" if inputs.content is None else content_change(inputs.content, c.meta.extra.get("content"))
         notes["change"] = kind
         tier = self.tiers.get(kind)
+        off = None if tier is None else self._disabled(kind)
+        if off is not None:
+            notes["disabled_tier"] = {"kind": kind, "step": tier.step, "of": tier.of}
+            return Decision.miss(f"nearest cached request {c.meta.id[:8]} {what or 'differs'}: {off}", details=notes,
+                                 similarity=c.similarity)
         if tier is None:
             kinds = ", ".join(sorted(self.tiers))
             return Decision.miss(f"nearest cached request {c.meta.id[:8]} {what or 'differs'}: no certified tier reuses "
@@ -456,7 +506,7 @@ class CarnatorPolicy(Policy):
             resume_step=r, reason=f"{kind} of {c.meta.id[:8]}{f' ({what})' if what else ''}: {how} from step {r} of {n} "
                                   f"(tier certified on {tier.accepted} pairs{bound})",
             details={**notes, "tier": {"kind": kind, "step": r, "scope": tier.scope, "bound": tier.bound},
-                     "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
+                     "audit": {"kind": kind, "step": tier.step, "of": tier.of}, "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
         )
 
     def plan(self, decision: Decision, inputs: DecisionInputs) -> ReusePlan:

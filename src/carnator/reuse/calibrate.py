@@ -186,6 +186,23 @@ def clopper_pearson_upper(k: int, n: int, confidence: float) -> float:
     return float(beta.ppf(confidence, k + 1, n - k))
 
 
+def clopper_pearson_lower(k: int, n: int, confidence: float) -> float:
+    """One-sided Clopper-Pearson lower confidence bound for a binomial rate with ``k`` of ``n``.
+
+    The smallest ``p`` with ``P(X >= k | n, p) >= 1 - confidence``, i.e. the ``1 - confidence`` quantile of
+    ``Beta(k, n - k + 1)``; 0 when ``k == 0``. For ``k == n`` it is ``(1 - confidence)**(1/n)``. A lower bound above
+    ``delta`` says, at ``confidence``, that the rate exceeds ``delta`` (the one-sided binomial test of ``p <= delta``
+    rejects): what a live audit needs before it stops a certified tier."""
+    k, n = int(k), int(n)
+    if n < 0 or not 0 <= k <= max(n, 0):
+        raise ValueError(f"need 0 <= k <= n, got k={k} n={n}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    if k == 0:
+        return 0.0
+    return float(beta.ppf(1.0 - confidence, k, n - k + 1))
+
+
 def _matrix(pairs: Sequence[CalibrationPair]) -> tuple[np.ndarray, np.ndarray]:
     """``(n, len(DIMENSIONS))`` discrepancy values (not applicable -> -inf, always passes) and ``(n,)`` unsafe flags."""
     vals = np.array(

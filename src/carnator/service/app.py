@@ -433,6 +433,12 @@ def create_app(service: "Service") -> FastAPI:
         """Prometheus metrics (no tenant, prompt or job id in any label)."""
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/audit", tags=["operations"])
+    def audit() -> dict[str, Any]:
+        """The shadow audits' live state: per kind of change and tier, the verdicts, the unsafe among them, the upper
+        (live) and lower Clopper-Pearson bounds and whether the tier is disabled (no tenant, prompt or job id)."""
+        return service.auditor.report()
+
     @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, str]:
         """The process answers."""

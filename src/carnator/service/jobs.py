@@ -177,8 +177,8 @@ class JobStore(Protocol):
 
 
 #: Table names per database. The PostgreSQL tables share a schema with the cache store's, hence the prefix.
-TABLE_NAMES = {"sqlite": ("jobs", "job_log", "meta"),
-               "postgresql": ("carnator_jobs", "carnator_job_events", "carnator_jobs_meta")}
+TABLE_NAMES = {"sqlite": ("jobs", "job_log", "meta", "audits"),
+               "postgresql": ("carnator_jobs", "carnator_job_events", "carnator_jobs_meta", "carnator_audits")}
 
 
 @dataclass(frozen=True)
@@ -187,11 +187,12 @@ class JobTables:
     jobs: sa.Table
     events: sa.Table
     meta: sa.Table
+    audits: sa.Table
 
 
 def job_tables(dialect: str) -> JobTables:
     """The job table's schema, for both databases (only the names differ, see :data:`TABLE_NAMES`)."""
-    jobs_name, events_name, meta_name = TABLE_NAMES[dialect]
+    jobs_name, events_name, meta_name, audits_name = TABLE_NAMES[dialect]
     md = sa.MetaData()
     seq = sa.BigInteger().with_variant(sa.Integer(), "sqlite")  # SQLite: INTEGER PRIMARY KEY is the rowid
     jobs = sa.Table(
@@ -232,16 +233,47 @@ def job_tables(dialect: str) -> JobTables:
     )
     sa.Index(f"{events_name}_job", events.c.job_id, events.c.seq)
     meta = sa.Table(meta_name, md, sa.Column("key", sa.Text, primary_key=True), sa.Column("value", sa.Text, nullable=False))
-    return JobTables(md, jobs, events, meta)
+    # Shadow audits' verdicts (carnator.service.audit): one row per audited approximate hit, with the live bound of its
+    # (thresholds file, kind, step) after it.
+    audits = sa.Table(
+        audits_name, md,
+        sa.Column("seq", seq, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.Text, nullable=False),
+        sa.Column("tenant", sa.Text, nullable=False),
+        sa.Column("thresholds", sa.Text, nullable=False),
+        sa.Column("kind", sa.Text, nullable=False),
+        sa.Column("step", sa.Integer, nullable=False),
+        sa.Column("of", sa.Integer),
+        sa.Column("acceptable", sa.Boolean(create_constraint=False), nullable=False),
+        sa.Column("scores", sa.Text, nullable=False),
+        sa.Column("request", sa.Text, nullable=False),
+        sa.Column("entry_id", sa.Text),
+        sa.Column("source_id", sa.Text),
+        sa.Column("seconds", sa.Double),
+        sa.Column("at", sa.Double, nullable=False),
+        sa.Column("n", sa.Integer, nullable=False),
+        sa.Column("unsafe", sa.Integer, nullable=False),
+        sa.Column("bound", sa.Double, nullable=False),
+        sa.Column("lower", sa.Double, nullable=False),
+        sa.Column("disabled", sa.Boolean(create_constraint=False), nullable=False),
+        sqlite_autoincrement=True,
+    )
+    sa.Index(f"{audits_name}_tier", audits.c.thresholds, audits.c.kind, audits.c.step, audits.c.seq)
+    return JobTables(md, jobs, events, meta, audits)
 
 
 def _create(c: sa.Connection, t: JobTables) -> None:
-    t.metadata.create_all(c, checkfirst=True)
+    t.metadata.create_all(c, tables=[t.jobs, t.events, t.meta], checkfirst=True)
+
+
+def _add_audits(c: sa.Connection, t: JobTables) -> None:
+    """Version 2: the shadow audits' verdicts."""
+    t.audits.create(c, checkfirst=True)
 
 
 #: The schema's versions: step N upgrades a table of version N-1 (0: none yet, or a PostgreSQL table of a release
 #: that kept no version; its tables are those of version 1) in place, inside the transaction that records N.
-MIGRATIONS: tuple[Callable[[sa.Connection, JobTables], None], ...] = (_create,)
+MIGRATIONS: tuple[Callable[[sa.Connection, JobTables], None], ...] = (_create, _add_audits)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -600,6 +632,49 @@ class SqlJobStore(VideoFiles):
         e = self.tables.events
         q = sa.select(e.c.kind, e.c.attempt, e.c.at, e.c.detail).where(e.c.job_id == job_id).order_by(e.c.seq)
         return [{"kind": k, "attempt": a, "at": t, "detail": d} for k, a, t, d in self._tx(lambda c: c.execute(q).all())]
+
+    # ---- shadow audits' verdicts (carnator.service.audit) ------------------------------------------
+    def record_audit(self, verdict: Mapping[str, Any], state: Callable[[int, int], Mapping[str, Any]]) -> dict[str, Any]:
+        """Append one audit verdict (``job_id``, ``tenant``, ``thresholds``, ``kind``, ``step``, ``of``, ``acceptable``,
+        ``scores``, ``request``, ``entry_id``, ``source_id``, ``seconds``) with the live state of its tier after it:
+        ``state(n, unsafe)`` over every verdict of the same thresholds, kind and step (this one included) gives
+        ``bound``, ``lower`` and ``disabled``. Serialised with submissions (one count per tier across servers)."""
+        a = self.tables.audits
+
+        def add(c: sa.Connection) -> dict[str, Any]:
+            self._serialise_submit(c)
+            same = (a.c.thresholds == verdict["thresholds"], a.c.kind == verdict["kind"], a.c.step == int(verdict["step"]))
+            n, bad, was = c.execute(sa.select(sa.func.count(), sa.func.sum(sa.case((a.c.acceptable, 0), else_=1)),
+                                              sa.func.max(sa.case((a.c.disabled, 1), else_=0))).where(*same)).one()
+            n, bad = int(n or 0) + 1, int(bad or 0) + (0 if verdict["acceptable"] else 1)
+            st = dict(state(n, bad))
+            st["disabled"] = bool(st["disabled"]) or bool(was)   # a disabled tier stays so for this thresholds file
+            row = {"job_id": verdict["job_id"], "tenant": verdict["tenant"], "thresholds": verdict["thresholds"],
+                   "kind": verdict["kind"], "step": int(verdict["step"]), "of": verdict.get("of"),
+                   "acceptable": bool(verdict["acceptable"]), "scores": json.dumps(verdict.get("scores") or {}),
+                   "request": json.dumps(verdict.get("request") or {}, default=str), "entry_id": verdict.get("entry_id"),
+                   "source_id": verdict.get("source_id"), "seconds": verdict.get("seconds"), "at": self._clock(),
+                   "n": n, "unsafe": bad, "bound": float(st["bound"]), "lower": float(st["lower"]),
+                   "disabled": bool(st["disabled"])}
+            c.execute(sa.insert(a).values(**row))
+            return {**row, "scores": verdict.get("scores") or {}, "request": verdict.get("request") or {}}
+
+        return self._tx(add)
+
+    def audit_verdicts(self, thresholds: str | None = None) -> list[dict[str, Any]]:
+        """Every audit verdict (of one thresholds file's identity, or all), oldest first."""
+        a = self.tables.audits
+        q = sa.select(a).order_by(a.c.seq)
+        if thresholds is not None:
+            q = q.where(a.c.thresholds == thresholds)
+        rows = self._tx(lambda c: c.execute(q).all())
+        out = []
+        for r in rows:
+            m = dict(r._mapping)
+            m["scores"], m["request"] = json.loads(m["scores"]), json.loads(m["request"])
+            m["acceptable"], m["disabled"] = bool(m["acceptable"]), bool(m["disabled"])
+            out.append(m)
+        return out
 
     def healthy(self) -> str | None:
         try:

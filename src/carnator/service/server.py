@@ -61,6 +61,10 @@ class ServeConfig:
     router: str = "affinity"
     separate_caches: bool = False
     affinity_busy_at: int = 1
+    audit: float = 0.1
+    audit_budget: float = 0.1
+    audit_judge: str | None = None
+    audit_seed: int | None = None
 
 
 def load_keys(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -154,8 +158,14 @@ class Service:
         if store is None:
             store = open_job_store(config.store, self.cache_dir, server_lock)
         self.store: JobStore = store
+        from .audit import AuditConfig, Auditor
+
+        self.auditor = Auditor(self.store, engines, AuditConfig(rate=config.audit, budget=config.audit_budget,
+                                                                judge=config.audit_judge, seed=config.audit_seed),
+                               self.metrics, self.hub)
+        self.metrics.add_audit(self.auditor.report)
         self.pool = WorkerPool(self.store, [Device(n, e) for n, e in zip(names, engines)], self.hub, self.metrics,
-                               fps=config.fps)
+                               fps=config.fps, auditor=self.auditor if self.auditor.enabled else None)
         self.policies = tuple(policy_names())
         limit = self.engine.adapter.limits().max_steps
         self.max_steps = min(limit, config.max_steps) if config.max_steps else limit
@@ -366,7 +376,7 @@ def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
                       max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
                       allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts,
                       store=args.store, blobs=args.blobs, replicas=args.replicas or 0, ray_address=args.ray_address,
-                      router=args.router,
+                      router=args.router, audit=args.audit, audit_budget=args.audit_budget, audit_judge=args.audit_judge,
                       engine_config=dict(engine_config or {}))
     logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     sys.stdout.flush()

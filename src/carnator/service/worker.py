@@ -185,7 +185,7 @@ class WorkerPool:
     """The worker threads and what they share: the job store, the fair queue, event hub and metrics."""
 
     def __init__(self, store: JobStore, devices: Sequence[Device], hub: EventHub, metrics: ServiceMetrics, *,
-                 fps: int = 8, poll_s: float = 0.5):
+                 fps: int = 8, poll_s: float = 0.5, auditor: Any = None):
         self.store, self.devices, self.hub, self.metrics = store, list(devices), hub, metrics
         self.queue = FairQueue(store)
         self.fps = fps
@@ -200,6 +200,9 @@ class WorkerPool:
         self._threads: list[threading.Thread] = []
         self.job_seconds_ema: float | None = None
         self.drained: list[str] = []
+        #: shadow audits (:class:`carnator.service.audit.Auditor`), run when no job waits; None: none
+        self.auditor = auditor
+        self._queued_seq = 0   # bumped by every notify: an audit yields when it changes
 
     # ---- control -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -210,6 +213,7 @@ class WorkerPool:
 
     def notify(self) -> None:
         """A job was queued."""
+        self._queued_seq += 1
         with self._wake:
             self._wake.notify_all()
 
@@ -257,6 +261,9 @@ class WorkerPool:
             except Exception as exc:  # a busy or full store: wait and try again
                 log.warning("worker %s could not take a job: %s", dev.name, exc)
                 job = None
+            if job is None and self.auditor is not None and self.auditor.ready():
+                self._audit(dev)
+                continue
             if job is None:
                 with self._wake:
                     if not self._draining.is_set():
@@ -274,6 +281,28 @@ class WorkerPool:
                 with self._lock:
                     self._running.pop(job.id, None)
                 self._cancel.discard(job.id)
+
+    def _audit(self, dev: Device) -> None:
+        """One shadow audit on this device, yielding at its next step boundary once a job waits."""
+        seen = [self._queued_seq]
+        last = [float("-inf")]   # the first step asks the store (a job queued before this audit began)
+
+        def preempt() -> bool:
+            if self._draining.is_set():
+                return True
+            now = time.monotonic()
+            if self._queued_seq == seen[0] and now - last[0] < self.poll_s:
+                return False
+            seen[0], last[0] = self._queued_seq, now
+            try:
+                return bool(self.store.queued_tenants())
+            except Exception:  # noqa: BLE001 - a store that cannot say: let the worker look
+                return True
+
+        try:
+            self.auditor.run_one(dev.engine, preempt)
+        except Exception:  # never lose the worker
+            log.exception("a shadow audit failed unexpectedly")
 
     def _run(self, dev: Device, job: Job) -> None:
         eng, p = dev.engine, job.params
@@ -341,6 +370,8 @@ class WorkerPool:
         if summary["tier"] == "miss":
             self.estimate.add(key, summary["seconds"])
         self._finish(job, COMPLETED, stats=summary, videos=videos, wall=wall, dev=dev)
+        if self.auditor is not None:
+            self.auditor.offer(job, res, summary)
 
     def _stopped_job(self, job: Job) -> None:
         if job.id in self._cancel:
