@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from carnator.request import Params
+
 from carnator import Carnator, EngineConfig
 from carnator.embedded.judge import DEFAULT_DELTAS, ShapesJudge
 from carnator.policies.carnator import SHIPPED_THRESHOLDS
@@ -94,11 +96,8 @@ def _service(tmp_path, base, url, thresholds: str | None):
 
 
 def _submit(svc, prompt, seed):
-    params = {"prompt": prompt, "seed": seed, "num_inference_steps": STEPS, "policy": "carnator", "cache": "reuse",
-              "store": True, "negative_prompt": None, "num_frames": None, "height": None, "width": None,
-              "guidance_scale": None}
-    svc.validate(params, "default")
-    job, _ = svc.store.submit("default", params)
+    params = svc.validate(Params(prompt, seed, num_inference_steps=STEPS, cache="reuse"))
+    job, _ = svc.store.submit("default", params.to_dict(tenant=False))
     svc.pool.notify()
     return job.id
 

@@ -1005,7 +1005,7 @@ def cmd_audit(args) -> int:
         delta, conf = cert.delta, cert.confidence
     delta = args.delta if args.delta is not None else delta
     conf = args.confidence if args.confidence is not None else conf
-    reports = []
+    reports: list[dict[str, Any]] = []
     for ident in dict.fromkeys(r["thresholds"] for r in rows) or ([only] if only else []):
         mine = [r for r in rows if r["thresholds"] == ident]
         reports.append({"thresholds": ident, "delta": delta, "confidence": conf,

@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -170,7 +171,7 @@ class CarnatorPolicy(Policy):
         the embedded model, else the paper's."""
         self.certified_resume = None
         self.tiers = {}
-        self.thresholds_path: Path | None = None
+        self.thresholds_path = None
         if self.cfg.thresholds is not None:
             self._load(self.cfg.thresholds, model)
             return
@@ -365,7 +366,7 @@ class CarnatorPolicy(Policy):
             return int(self.certified_resume["step"]), int(self.certified_resume["of"])
         return (self.cfg.resume_step or DEFAULT_RESUME_STEP), None
 
-    def disable(self, tiers) -> None:
+    def disable(self, tiers: Iterable[tuple[str, int]]) -> None:
         """Stop reusing by these ``(kind, step)`` tiers (plain data; an empty set enables every tier again). A
         request of such a kind then runs as it would without the tier: a miss that says so."""
         self.disabled_tiers = frozenset((str(k), int(s)) for k, s in tiers)
@@ -485,7 +486,7 @@ class CarnatorPolicy(Policy):
         notes["change"] = kind
         tier = self.tiers.get(kind)
         off = None if tier is None else self._disabled(kind)
-        if off is not None:
+        if tier is not None and off is not None:
             notes["disabled_tier"] = {"kind": kind, "step": tier.step, "of": tier.of}
             return Decision.miss(f"nearest cached request {c.meta.id[:8]} {what or 'differs'}: {off}", details=notes,
                                  similarity=c.similarity)

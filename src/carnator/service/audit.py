@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import Cancelled, CarnatorError
 from ..judges import Judge, QualityRule, get_judge
+from ..request import Params
 from ..reuse.calibrate import clopper_pearson_lower, clopper_pearson_upper
 from ..reuse.compat import Thresholds
 
@@ -78,7 +79,8 @@ class AuditConfig:
 @dataclass(frozen=True)
 class Certificate:
     """What the audits test, from the thresholds file: its identity (a hash of its bytes), ``delta``, ``confidence``,
-    the quality rule and the judge's identity (None: the file names none)."""
+    the quality rule (and a tier's own, where its kind was certified under one: an edit's rule reads the attribute it
+    asks) and the judge's identity (None: the file names none)."""
 
     path: str
     identity: str
@@ -87,6 +89,11 @@ class Certificate:
     rule: QualityRule
     judge: str | None
     admission_judge: str | None = None
+    tier_rules: Mapping[str, QualityRule] = field(default_factory=dict)
+
+    def rule_for(self, kind: str) -> QualityRule:
+        """The rule a hit of this kind of change is judged by."""
+        return self.tier_rules.get(kind, self.rule)
 
 
 def thresholds_identity(path: str | Path) -> str:
@@ -102,9 +109,11 @@ def certificate_of(path: str | Path) -> Certificate:
     if rule is None:
         raise CarnatorError(f"thresholds file {path} names no quality rule (meta.rule): its hits cannot be audited")
     adm = meta.get("admission") if isinstance(meta.get("admission"), Mapping) else {}
+    tiers: Mapping[str, Any] = meta["tiers"] if isinstance(meta.get("tiers"), Mapping) else {}
+    own = {str(k): QualityRule.from_dict(t["rule"]) for k, t in tiers.items() if isinstance(t, Mapping) and isinstance(t.get("rule"), Mapping)}
     return Certificate(path=str(path), identity=thresholds_identity(path), delta=float(meta.get("delta", 0.05)),
                        confidence=float(meta.get("confidence", 0.9)), rule=QualityRule.from_dict(rule),
-                       judge=meta.get("judge"), admission_judge=adm.get("judge"))
+                       judge=meta.get("judge"), admission_judge=(adm or {}).get("judge"), tier_rules=own)
 
 
 def judge_for(cert: Certificate, spec: str | None = None) -> Judge:
@@ -175,7 +184,7 @@ class Pending:
 
     job_id: str
     tenant: str
-    params: dict[str, Any]
+    params: Params
     frames: np.ndarray
     kind: str
     step: int
@@ -287,7 +296,7 @@ class Auditor:
         audit = (res.stats.notes or {}).get("audit")
         if not isinstance(audit, Mapping) or self._rng.random() >= self.config.rate:
             return False
-        p = Pending(job_id=job.id, tenant=job.tenant, params=dict(job.params), frames=np.asarray(res.frames),
+        p = Pending(job_id=job.id, tenant=job.tenant, params=Params.from_dict(job.params, tenant=job.tenant), frames=np.asarray(res.frames),
                     kind=str(audit["kind"]), step=int(audit["step"]), of=audit.get("of"),
                     entry_id=summary.get("entry_id"), source_id=summary.get("source_id"))
         with self._lock:
@@ -323,7 +332,9 @@ class Auditor:
             if not self._pending:
                 return None
             p = self._pending.popleft()
-        p_ = p.params
+        judge, cert = self.judge, self.cert
+        assert judge is not None and cert is not None   # enabled only with a certificate and its judge
+        prompt = p.params.prompt
         t0 = self._clock()
         self._publish("start", {"job": p.job_id, "kind": p.kind, "tier": tier_label(p.step, p.of)})
 
@@ -331,11 +342,8 @@ class Auditor:
             self._publish("progress", {"job": p.job_id, "step": done, "total": total})
 
         try:
-            dense = engine.generate(
-                p_["prompt"], seed=p_["seed"], policy="dense", negative_prompt=p_.get("negative_prompt"),
-                num_inference_steps=p_.get("num_inference_steps"), num_frames=p_.get("num_frames"),
-                height=p_.get("height"), width=p_.get("width"), guidance_scale=p_.get("guidance_scale"), tenant=p.tenant,
-                cache="off", store=False, progress=progress, cancel=preempt)
+            # the same request and seed, densely, reading and writing nothing of the cache
+            dense = engine.run(replace(p.params, policy="dense", cache="off", store=False), progress=progress, cancel=preempt)
         except Cancelled:
             self._spent(t0)
             p.preempted += 1
@@ -350,19 +358,18 @@ class Auditor:
             self.counts["failed"] += 1
             return "failed"
         try:
-            jd = self.judge.score(dense.frames, p_["prompt"], reference=dense.frames)
-            jr = self.judge.score(p.frames, p_["prompt"], reference=dense.frames)
-            ok = bool(self.cert.rule.acceptable(jr, jd))
+            jd = judge.score(dense.frames, prompt, reference=dense.frames)
+            jr = judge.score(p.frames, prompt, reference=dense.frames)
+            ok = bool(cert.rule_for(p.kind).acceptable(jr, jd))
         except Exception:  # noqa: BLE001
             self._spent(t0)
             log.exception("judging the audit of job %s failed", p.job_id)
             self.counts["failed"] += 1
             return "failed"
         seconds = self._spent(t0)
-        cert = self.cert
         verdict = {"job_id": p.job_id, "tenant": p.tenant, "thresholds": cert.identity, "kind": p.kind, "step": p.step,
                    "of": p.of, "acceptable": ok, "scores": {"reuse": _plain(jr), "dense": _plain(jd)},
-                   "request": p.params, "entry_id": p.entry_id, "source_id": p.source_id, "seconds": round(seconds, 4)}
+                   "request": p.params.to_dict(tenant=False), "entry_id": p.entry_id, "source_id": p.source_id, "seconds": round(seconds, 4)}
         try:
             row = self.store.record_audit(verdict, lambda n, k: tier_state(n, k, cert.delta, cert.confidence))
         except Exception as e:  # noqa: BLE001 - the verdict is lost, the service goes on

@@ -169,6 +169,12 @@ class JobStore(Protocol):
     def history(self, job_id: str) -> builtins.list[dict[str, Any]]:
         """The job's audit log: submitted, claimed (attempt), progress never, requeued, finished (status)."""
 
+    def record_audit(self, verdict: Mapping[str, Any], state: Callable[[int, int], Mapping[str, Any]]) -> dict[str, Any]:
+        """Append one audit verdict with the live state of its tier after it (carnator.service.audit)."""
+
+    def audit_verdicts(self, thresholds: str | None = None) -> builtins.list[dict[str, Any]]:
+        """Every audit verdict (of one thresholds file's identity, or all), oldest first."""
+
     def healthy(self) -> str | None:
         """None when the store can take new jobs; else why not (one line)."""
 
@@ -661,7 +667,7 @@ class SqlJobStore(VideoFiles):
 
         return self._tx(add)
 
-    def audit_verdicts(self, thresholds: str | None = None) -> list[dict[str, Any]]:
+    def audit_verdicts(self, thresholds: str | None = None) -> builtins.list[dict[str, Any]]:
         """Every audit verdict (of one thresholds file's identity, or all), oldest first."""
         a = self.tables.audits
         q = sa.select(a).order_by(a.c.seq)

@@ -97,7 +97,7 @@ class _Audit:
     def describe(self) -> Iterable:
         return []
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         try:
             rep = self._report()
         except Exception:  # a scrape never fails for a busy store

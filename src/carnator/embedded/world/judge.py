@@ -159,7 +159,7 @@ def _fit(shape: str, masks: np.ndarray, grow: float = 1.0) -> tuple[np.ndarray, 
     ``grow`` scales the fitted radius (blur shrinks the mask of pointed shapes below their extent).
     """
     F, H, W = masks.shape
-    cols, rows = np.asarray(masks.any(1)), np.asarray(masks.any(2))                             # (F, W), (F, H)
+    cols, rows = masks.any(1), masks.any(2)                               # (F, W), (F, H)
     x0, x1 = cols.argmax(1), W - 1 - cols[:, ::-1].argmax(1)
     y0, y1 = rows.argmax(1), H - 1 - rows[:, ::-1].argmax(1)
     ex, ey = SHAPE_EXTENT[shape]
@@ -348,8 +348,7 @@ def read(video, min_frames: int | None = None) -> Reading:
         colour = np.median(np.stack([info[i]["colour"] for i in tr]), axis=0)
         cname = _PALETTE_NAMES[int(np.argmin(delta_e(srgb_to_lab(colour)[None], _PALETTE_LAB)))]
         best = seen[np.argsort(-areas[seen], kind="stable")[:6]]
-        scores: dict[str, float] = {}
-        grow_of: dict[str, float] = {}
+        scores, grow_of = {}, {}
         for s in SHAPES:
             for g in grows:
                 tpl = _seen_mask(_fit(s, masks[best], g)[0], blur)
@@ -358,7 +357,7 @@ def read(video, min_frames: int | None = None) -> Reading:
                 iou = float(np.average(inter / np.maximum(union, 1), weights=areas[best]))
                 if iou > scores.get(s, -1.0):
                     scores[s], grow_of[s] = iou, g
-        shape = max(scores, key=scores.__getitem__)
+        shape = max(scores, key=scores.get)
         radius = float(np.median(_fit(shape, masks[seen], grow_of[shape])[1]))
         objects.append(ObjectReading(
             shape=shape, color=cname, size="small" if radius < _SIZE_SPLIT * size else "big",
@@ -397,8 +396,7 @@ def judge(video, prompt: str | Scene, reading: Reading | None = None) -> JudgeRe
     if want.background is not None:
         checks["background"] = want.background == rd.background
     for k, o in enumerate(want.objects):
-        m = matches[k]
-        r = rd.objects[m] if m is not None else None
+        r = rd.objects[matches[k]] if matches[k] is not None else None
         for a in _ATTRS:
             if getattr(o, a) is not None:
                 checks[f"{k}.{a}"] = r is not None and getattr(o, a) == getattr(r, a)
@@ -406,10 +404,9 @@ def judge(video, prompt: str | Scene, reading: Reading | None = None) -> JudgeRe
 
     explained = np.zeros_like(fg)
     for k, o in enumerate(want.objects):
-        m = matches[k]
-        if m is None:
+        if matches[k] is None:
             continue
-        r = rd.objects[m]
+        r = rd.objects[matches[k]]
         if o.shape is None:
             explained |= r.pixels
             continue
