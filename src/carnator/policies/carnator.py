@@ -274,9 +274,18 @@ class CarnatorPolicy(Policy):
         return max(r, self.cfg.probe_steps) if tier.scope == "region" else max(r, 1)
 
     def stored_steps(self, num_steps: int) -> set[int]:
-        # A reuse resumes at r and blends with the source's latents after every later step: traj.{r-1} .. traj.{n-1}.
-        first = min([self.tier_resume(t, num_steps) for t in self.tiers.values()], default=self.resume_at(num_steps))
-        return set(range(first - 1, num_steps))
+        # A reuse resumes at r from traj.{r-1}; one that blends (a region) reads the source's latents after every later
+        # step too, traj.{r-1} .. traj.{n-1}; a frame tier's blends nothing, so it reads traj.{r-1} alone.
+        if not self.tiers:
+            steps = set(range(self.resume_at(num_steps) - 1, num_steps))
+        else:
+            steps = set()
+            for t in self.tiers.values():
+                r = self.tier_resume(t, num_steps)
+                steps |= {r - 1} if t.scope == "frame" else set(range(r - 1, num_steps))
+        if self.cfg.own_sample > 0:
+            steps.add(num_steps - 1)
+        return steps
 
     def uses_signature(self) -> bool:
         """Whether the thresholds read any Early Signature dimension (else a content-only rule: no probe needed)."""
@@ -540,7 +549,7 @@ class CarnatorPolicy(Policy):
         return ReusePlan(
             hit=True, source_id=decision.source_id, resume_step=r, init_latent=f"traj.{r - 1}",
             own_sample=float(cfg.own_sample), clean_latent=f"traj.{n - 1}" if cfg.own_sample > 0 else None,
-            phases=(Phase(r, n, blend=True, window=True, masks=masks_apply),), region=region, window_layers=cfg.window,
+            phases=(Phase(r, n, blend=not frame, window=True, masks=masks_apply),), region=region, window_layers=cfg.window,
             mask_prefix=MASK_PREFIX if masks_apply else None, capture=inputs.sparse,
         )
 
