@@ -167,3 +167,18 @@ def test_kinds_without_a_tier_miss_naming_the_kind_and_same_content_resumes_late
     assert again.stats.hit and again.stats.source_id == a.stats.entry_id and again.stats.resume_step == 15
     assert "re-roll" in again.stats.reason and "whole frame" in again.stats.reason
     assert again.stats.dit_forwards == 2 * (N - 15)   # no probe: the frame tier reads none
+
+
+def test_an_entry_keeps_the_latents_its_tiers_read_and_a_frame_tier_reads_one(tmp_path):
+    # region tiers at 5 of 20 blend with the source after every later step (traj.4 .. traj.19); the frame tier at 15
+    # reads traj.14 alone
+    eng = _engine(tmp_path)
+    pol = eng.policy("carnator")
+    assert pol.stored_steps(N) == set(range(STEP - 1, N))
+    only_frame = _engine(tmp_path / "f", kinds=())
+    assert only_frame.policy("carnator").stored_steps(N) == {14}
+    a = only_frame.generate("a big red ball moving left on grass", seed=1, num_inference_steps=N)
+    kept = sorted(k for k in only_frame.store.load(a.stats.entry_id) if k.startswith("traj."))
+    assert kept == ["traj.14"]
+    again = only_frame.generate("a big red ball moving left on grass", seed=4, num_inference_steps=N, store=False)
+    assert again.stats.hit and again.stats.resume_step == 15   # served from that one latent

@@ -64,12 +64,13 @@ VARIANTS = {
 FILL_RESUME = int(os.environ.get("FILL_RESUME", "5"))
 
 
-def engine(cache, device, *, write_behind=None, **carnator):
+def engine(cache, device, *, write_behind=None, capture_steps="auto", **carnator):
     from carnator import Carnator
     from carnator.engine import EngineConfig
 
     cfg = EngineConfig(cuda_graphs=device.startswith("cuda"), latent_dtype="float16", write_behind=write_behind,
-                       admission_judge="shapes", policy_options={"carnator": carnator} if carnator else {})
+                       capture_steps=capture_steps, admission_judge="shapes",
+                       policy_options={"carnator": carnator} if carnator else {})
     return Carnator.from_pretrained("embedded", str(cache), device=device, config=cfg)
 
 
@@ -80,7 +81,9 @@ def fill(args):
 
     trace = Trace.load(trace_path)
     # entries every variant can reuse: a signature (the probe) and the latents from step FILL_RESUME - 1 on
-    eng = engine(cache, device, write_behind=False, probe="always", resume_step=FILL_RESUME)
+    # (named, not "auto": a policy keeps only the latents its own tiers read, and a frame tier reads one)
+    eng = engine(cache, device, write_behind=False, probe="always", resume_step=FILL_RESUME,
+                 capture_steps=list(range(FILL_RESUME - 1, 50)))
     for r in trace.warm[k::n]:
         for policy in policies:
             eng.generate(r.prompt, seed=r.seed, policy=policy, cache="off")
