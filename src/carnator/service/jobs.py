@@ -84,6 +84,10 @@ class JobStoreUnavailable(JobStoreError):
     """The job table's database cannot be reached (PostgreSQL down): nothing is accepted until it is back."""
 
 
+class JobTableLost(JobStoreUnavailable):
+    """Another server took this server's job table (while PostgreSQL restarted): it will not be back for this one."""
+
+
 @dataclass
 class Job:
     """One video job, as the store keeps it."""
@@ -146,6 +150,11 @@ class JobStore(Protocol):
 
     def requeue(self, job_id: str, attempt: int, *, count_attempt: bool = False) -> bool:
         """Put an attempt's job back in the queue (a server draining for shutdown: the attempt is not counted)."""
+
+    def retry(self, job_id: str, attempt: int, worker: str, reason: str) -> int | None:
+        """The worker running an attempt starts the job over at once (its engine failed under it, e.g. a replica
+        died): the attempt ends (logged ``requeued`` with ``reason``, counted) and the same worker claims the next one
+        in the same transaction. The new attempt's number, or None (nothing changed) when ``attempt`` is stale."""
 
     def cancel(self, tenant: str, job_id: str) -> Job | None:
         """Cancel a queued job at once, or ask an in-progress one to stop; the job after that, None when missing."""
@@ -525,6 +534,10 @@ class SqlJobStore(VideoFiles):
 
         try:
             return self._tx(end, critical=True)
+        except JobStoreUnavailable as exc:  # the caller may finish again once the database is back: keep what was
+            if isinstance(exc, JobTableLost):  # staged (a later start sweeps what is never published)
+                self._discard(videos)
+            raise
         except JobStoreError:
             self._discard(videos)
             raise
@@ -541,6 +554,21 @@ class SqlJobStore(VideoFiles):
             return bool(n)
 
         return self._tx(back, critical=True)
+
+    def retry(self, job_id: str, attempt: int, worker: str, reason: str) -> int | None:
+        j = self.tables.jobs
+
+        def again(c: sa.Connection) -> int | None:
+            n = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status == IN_PROGRESS, j.c.attempts == attempt,
+                                             j.c.cancel_requested == sa.false())
+                          .values(attempts=attempt + 1, progress=0, worker=worker, started_at=self._clock())).rowcount
+            if not n:
+                return None
+            self._log(c, job_id, "requeued", attempt, f"attempt counted: {reason}")
+            self._log(c, job_id, "claimed", attempt + 1, worker)
+            return attempt + 1
+
+        return self._tx(again, critical=True)
 
     def cancel(self, tenant: str, job_id: str) -> Job | None:
         def stop(c: sa.Connection) -> Job | None:
