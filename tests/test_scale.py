@@ -69,6 +69,23 @@ def test_same_api_and_related_prompts_follow_their_neighbours_replica(server, ht
     assert re.search(r"^carnator_cache_store_unavailable_total 0\.0$", metrics, re.MULTILINE), metrics
 
 
+def test_jobs_dispatched_at_once_run_on_both_replicas_at_once(server):
+    """Two jobs taken at the same moment, both related to the first test's prompt (so both prefer its replica): one
+    runs there, the other on the idle replica, side by side; neither waits behind the other on one replica."""
+    with Client(server.url) as c:
+        ids = [c.submit(p, seed=20 + i, num_inference_steps=60, cache="off", store=False)["id"]
+               for i, p in enumerate(RELATED[:2])]
+        a, b = (c.wait(i, timeout=240) for i in ids)
+    assert a["status"] == b["status"] == "completed", (a, b)
+    assert a["stats"]["replica"] != b["stats"]["replica"], (a["stats"], b["stats"])
+    assert a["started_at"] < b["completed_at"] and b["started_at"] < a["completed_at"]
+
+
+def metric(http, name):
+    m = re.search(rf"^{name} (\S+)$", http.get("/metrics").text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
 def test_cancel_stops_the_job_on_its_replica(server):
     """DELETE mid-job: the job is cancelled, its worker slot freed, and the replica stops at its next step (the
     stream's end reaches it): the job's result is never stored, though it would have finished well within the wait."""
@@ -91,7 +108,12 @@ def test_cancel_stops_the_job_on_its_replica(server):
         assert not [e for e in store.entries() if e.prompt == "a yellow square bouncing on snow"]
 
 
-def test_a_replica_killed_mid_job_is_retried_once_elsewhere_and_completes(server):
+def test_a_replica_killed_mid_job_is_retried_once_elsewhere_and_completes(server, http):
+    """The retry is the job's second attempt, for all to see: ``attempts`` 2, the job's log, the requeued counter;
+    progress never goes back within an attempt."""
+    from carnator.service.pgjobs import PostgresJobStore
+
+    requeued = metric(http, "carnator_jobs_requeued_total")
     with Client(server.url) as c:
         job = c.submit("a green cube moving up on snow", seed=11, num_inference_steps=160)
         deadline = time.monotonic() + 120
@@ -107,7 +129,23 @@ def test_a_replica_killed_mid_job_is_retried_once_elsewhere_and_completes(server
         while c.get(job["id"])["progress"] < 5 and time.monotonic() < deadline:
             time.sleep(0.2)
         os.kill(pid, signal.SIGKILL)
-        done = c.wait(job["id"], timeout=240)
+        seen_progress = []
+        while time.monotonic() < deadline + 240:
+            done = c.get(job["id"])
+            seen_progress.append((done["attempts"], done["progress"]))
+            if done["status"] not in ("queued", "in_progress"):
+                break
+            time.sleep(0.1)
     assert done["status"] == "completed", done
     assert done["stats"]["replica"] != victim and done["stats"]["tier"] == "miss"
     assert any("failed mid-job" in line and "retrying once" in line for line in server.lines), server.output[-3000:]
+    assert done["attempts"] == 2
+    for (a0, p0), (a1, p1) in zip(seen_progress, seen_progress[1:]):
+        assert a1 > a0 or (a1 == a0 and p1 >= p0), seen_progress
+    assert metric(http, "carnator_jobs_requeued_total") == requeued + 1
+    store = PostgresJobStore(server.store_url, server.cache_dir / "videos")
+    try:
+        assert [h["kind"] for h in store.history(job["id"])] == ["submitted", "claimed", "requeued", "claimed",
+                                                                  "completed"]
+    finally:
+        store.close()
