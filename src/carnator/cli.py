@@ -258,7 +258,7 @@ def _engine(args):
         if capacity is None:
             raise CarnatorError("--capacity none: generating only sets a bound; lift it with `carnator cache config --capacity none`")
     config = EngineConfig(intra_cache=intra, capacity_bytes=capacity, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
-                          cuda_graphs=getattr(args, "cuda_graphs", False), policy_options=_policy_options(getattr(args, "option", [])))
+                          cuda_graphs=getattr(args, "cuda_graphs", None), policy_options=_policy_options(getattr(args, "option", [])))
     dtype = getattr(args, "dtype", None)
     torch_dtype = None
     if dtype is not None and args.model != "embedded":
@@ -796,8 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
     k.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="generate the pairs in N worker processes (set OMP_NUM_THREADS so that N x threads fits the cores)")
-    k.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
+    k.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size; "
+                        "default: on a CUDA device)")
     k.add_argument("--select-only", action="store_true",
                    help="generate no pairs: select and certify from every pair already in --out (e.g. under another --rule, "
                         "--delta or quality rule)")
@@ -830,8 +831,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the policies in N processes at once (each loads the model; on a GPU the small embedded model "
                         "leaves room for several). Hits and quality equal a one-process run's; the speed columns are then "
                         "measured while the policies share the machine, so take speed from a --jobs 1 run")
-    b.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
+    b.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size; "
+                        "default: on a CUDA device)")
     b.add_argument("--latent-dtype", choices=["float32", "float16"], default=None,
                    help="dtype of the latents stored with every entry (default float16; float32 doubles the cache for exact latents)")
     b.set_defaults(worker=False, shard={})  # set by _worker only

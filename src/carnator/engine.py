@@ -67,7 +67,9 @@ class EngineConfig:
         the transformer, so an engine with one runs its requests one at a time.
     cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
         applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
-        launch-bound models; the results are the eager forward's.
+        launch-bound models; the results are the eager forward's. None (the default): on where the model runs on a
+        CUDA device, its family supports it and no intra-request cache runs (:func:`cuda_graphs_for`); off on the CPU.
+        True asks for it (refused for a family without it); False turns it off.
     admission_judge: the quality judge (a :func:`~carnator.judges.get_judge` spec; "auto", the default: ``shapes``, the
         embedded model's own judge, on the embedded model, else none)
         that scores every stored request's own output, after decode; its scores go into the entry (``quality``) and the
@@ -95,7 +97,7 @@ class EngineConfig:
     eviction: str | None = None
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     intra_cache: str | dict[str, Any] | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     allow_uncertified: bool = True
     admission_judge: str | None = "auto"
     admission_rule: dict[str, float] = field(default_factory=lambda: {"fidelity": 0.75, "artifact": 0.1})
@@ -110,6 +112,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.capture_steps: a list of step indices must hold ints, got {list(cs)!r}")
         if self.latent_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f'EngineConfig.latent_dtype must be "float32", "float16" or "bfloat16", got {self.latent_dtype!r}')
+
+
+def cuda_graphs_for(setting: bool | None, *, device: str | torch.device, supported: bool, intra_cache: bool) -> bool:
+    """Whether an engine replays idle forwards as CUDA graphs: ``setting`` (``EngineConfig.cuda_graphs``) when given,
+    else (None) the fast configuration where it applies: a CUDA ``device``, a family that ``supported`` them, no
+    ``intra_cache``."""
+    if setting is not None:
+        return bool(setting)
+    return torch.device(device).type == "cuda" and supported and not intra_cache
 
 
 @dataclass(frozen=True)
@@ -187,7 +198,11 @@ class Carnator:
 
         self.intra_cache_spec = IntraCacheSpec.parse(self.config.intra_cache)
         self.adapter.use_intra_cache(self.intra_cache_spec)  # an unsupported kind fails here, before any request
-        self.adapter.use_cuda_graphs(self.config.cuda_graphs)
+        #: whether idle forwards replay as CUDA graphs (``EngineConfig.cuda_graphs``; None: on a CUDA device)
+        self.cuda_graphs = cuda_graphs_for(self.config.cuda_graphs, device=self.adapter.device,
+                                           supported=self.adapter.supports_cuda_graphs,
+                                           intra_cache=self.intra_cache_spec is not None)
+        self.adapter.use_cuda_graphs(self.cuda_graphs)
         # diffusers' intra-request caches keep their state in hooks on the transformer: their requests take turns
         self._serial = threading.Lock() if self.intra_cache_spec is not None else None
         for name, opts in self.config.policy_options.items():  # a bad option or thresholds file fails here, not later
@@ -396,7 +411,7 @@ class Carnator:
         ad, tm = self.adapter, stats.timings
         # (Engines sharing one adapter may differ in their intra-request cache and CUDA graphs: apply this engine's.)
         intra = ad.use_intra_cache(self.intra_cache_spec)
-        ad.use_cuda_graphs(self.config.cuda_graphs)
+        ad.use_cuda_graphs(self.cuda_graphs)
         if intra is not None:
             intra.start_request()  # diffusers resets hook state at the end of a pipeline call; we drive the loop, so here
         t0 = time.perf_counter()
