@@ -67,6 +67,8 @@ def test_same_api_and_related_prompts_follow_their_neighbours_replica(server, ht
     assert http.get("/v1/videos/" + repeat["id"] + "/content").status_code == 200
     metrics = http.get("/metrics").text
     assert re.search(r"^carnator_cache_store_unavailable_total 0\.0$", metrics, re.MULTILINE), metrics
+    # the ingress checked and embedded these requests without building the model's transformer
+    assert "the ingress checks and embeds requests without the model's transformer" in server.output
 
 
 def test_jobs_dispatched_at_once_run_on_both_replicas_at_once(server):

@@ -36,7 +36,7 @@ from .backbones.base import BackboneAdapter
 from .backbones.registry import adapter_for
 from .cache.keys import content_key
 from .cache.protocol import VIDEO, CacheStore, StoreSpec
-from .errors import CacheError, GenerationError, InvalidRequestError, ModelLoadError
+from .errors import CacheError, CarnatorError, GenerationError, InvalidRequestError, ModelLoadError
 from .plan import Decision, DecisionInputs, ReusePlan
 from .policies import ModelInfo, Policy, get_policy_class, policy_names
 from .request import Request, Result, Stats, to_uint8
@@ -155,12 +155,14 @@ class Carnator:
 
     def __init__(self, pipe, cache_dir: str | os.PathLike | CacheStore | None = None, *, config: EngineConfig | None = None,
                  embedder=None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None,
-                 thresholds: str | os.PathLike | None = None):
+                 thresholds: str | os.PathLike | None = None, model_identity: str | None = None):
         """``cache_dir``: the cache directory (default: ``$CARNATOR_CACHE_DIR`` or ``~/.cache/carnator``) or an open
         :class:`~carnator.cache.CacheStore`. ``embedder``: the recall embedder (default MiniLM). ``nouns``: the noun
         extractor (default: the adapter's, :meth:`~carnator.backbones.base.BackboneAdapter.noun_extractor`).
         ``thresholds``: a thresholds file from ``carnator calibrate`` for the carnator policy (the same as
-        ``policy_options={"carnator": {"thresholds": PATH}}``; refused, in one line, for another model or reading)."""
+        ``policy_options={"carnator": {"thresholds": PATH}}``; refused, in one line, for another model or reading).
+        ``model_identity``: the model's identity as an engine with its weights computed it (for a pipeline whose
+        transformer has no weights here, see ``from_pretrained(dit=False)``)."""
         self.pipe = pipe
         self.adapter = adapter if adapter is not None else adapter_for(pipe)
         self.config = config or EngineConfig()
@@ -193,7 +195,9 @@ class Carnator:
         self._text_lock = threading.Lock()  # fast tokenizers refuse concurrent calls with other settings ("Already borrowed")
         self._warned: set[str] = set()
         self._loader: ThreadPoolExecutor | None = None
-        self.model_identity = self.adapter.model_identity()
+        #: whether the pipeline's transformer has its weights here (False: ``from_pretrained(dit=False)``, no generation)
+        self.dit = _device_type(self.adapter.transformer) != "meta"
+        self.model_identity = model_identity or self.adapter.model_identity()
         from .intra_cache import IntraCacheSpec
 
         self.intra_cache_spec = IntraCacheSpec.parse(self.config.intra_cache)
@@ -212,9 +216,15 @@ class Carnator:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None,
-                        torch_dtype: torch.dtype | None = None, blobs: str | os.PathLike | None = None, **kwargs) -> Carnator:
+                        torch_dtype: torch.dtype | None = None, blobs: str | os.PathLike | None = None, dit: bool = True,
+                        **kwargs) -> Carnator:
         """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory. ``cache_dir``: a
-        directory, ``sqlite:///path`` or a ``postgresql://`` URL (then ``blobs`` says where its blobs live)."""
+        directory, ``sqlite:///path`` or a ``postgresql://`` URL (then ``blobs`` says where its blobs live).
+
+        ``dit=False``: an engine that resolves and checks requests, reads their text and embeds them for recall, but
+        never generates (``carnator serve --replicas``' ingress): the transformer is built on the meta device (its
+        shapes and config, no weights, no memory), and so, for a diffusers model, are the text encoder and the VAE;
+        pass the ``model_identity`` an engine with the weights reports (the embedded model's is its checksum's)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         _check_device(device)
         class_name = None if model == "embedded" else _pipeline_class(model)
@@ -224,15 +234,18 @@ class Carnator:
             from .backbones.embedded import EmbeddedAdapter
             from .embedded import load_pipeline
 
-            pipe = load_pipeline(device=device)
+            pipe = load_pipeline(device=device, dit=dit)
             return cls(pipe, store, adapter=EmbeddedAdapter(pipe), **kwargs)
         import diffusers
 
         try:
-            pipe = getattr(diffusers, class_name).from_pretrained(str(model), torch_dtype=torch_dtype, local_files_only=True)
+            parts = {} if dit else _meta_components(Path(model), ("transformer", "text_encoder", "vae"))
+            pipe = getattr(diffusers, class_name).from_pretrained(str(model), torch_dtype=torch_dtype, local_files_only=True,
+                                                                  **parts)
         except Exception as e:  # diffusers raises many types for broken directories
             raise ModelLoadError(f"could not load {class_name} from {model}: {_first_line(e)}") from e
-        pipe = pipe.to(device)
+        if dit:
+            pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, store, **kwargs)
 
@@ -359,6 +372,9 @@ class Carnator:
         :class:`~carnator.errors.Cancelled`, storing nothing); ``events(kind, data)`` at each stage ("decision").
         Returns a :class:`Result` with ``frames`` (uint8, T x H x W x 3) and ``stats``.
         """
+        if not self.dit:
+            raise CarnatorError("this engine was built without its transformer (dit=False): it resolves, checks and "
+                                "embeds requests, it does not generate them")
         t_start = time.perf_counter()
         pol = self.policy(policy)
         mode = pol.default_cache if cache is None else cache
@@ -692,6 +708,33 @@ def _notes(dec: Decision) -> dict[str, Any]:
         out[k] = v
     if dec.similarity is not None:
         out.setdefault("similarity", float(dec.similarity))
+    return out
+
+
+def _device_type(module: Any) -> str | None:
+    p = next(iter(module.parameters()), None) if isinstance(module, torch.nn.Module) else None
+    return None if p is None else p.device.type
+
+
+def _meta_components(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
+    """The pipeline's components ``names``, each built from its config on the meta device (no weights read)."""
+    index = json.loads((path / "model_index.json").read_text())
+    out: dict[str, Any] = {}
+    for name in names:
+        lib, klass = (index.get(name) or (None, None))[:2]
+        if lib is None or klass is None:
+            continue
+        with torch.device("meta"):
+            if lib == "diffusers":
+                import diffusers
+
+                cls_ = getattr(diffusers, klass)
+                out[name] = cls_.from_config(cls_.load_config(str(path / name)))
+            elif lib == "transformers":
+                import transformers
+
+                cls_ = getattr(transformers, klass)
+                out[name] = cls_(transformers.AutoConfig.from_pretrained(str(path / name), local_files_only=True))
     return out
 
 

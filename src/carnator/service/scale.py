@@ -201,7 +201,7 @@ class EngineReplica:
         self._engine_lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
-        return {"replica": self.replica, "pid": os.getpid()}
+        return {"replica": self.replica, "pid": os.getpid(), "model_identity": self.engine.model_identity}
 
     def store_counters(self) -> dict[str, int]:
         """This replica's totals: bytes read from shared blob storage, calls served degraded (PostgreSQL down)."""
@@ -331,6 +331,10 @@ class Replicas:
                                                                   get_if_exists=True).remote()
         self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
         self.affinity = AffinityIndex(config.min_similarity) if config.router == "affinity" else None
+
+    def model_identity(self) -> str:
+        """The model's identity as a replica (which has its weights) computes it."""
+        return str(self.handle.info.remote().result(timeout_s=120)["model_identity"])
 
     def shutdown(self) -> None:
         import ray

@@ -124,10 +124,6 @@ class Service:
         if config.replicas:
             from .scale import RemoteEngine, Replicas, ScaleConfig
 
-            # the ingress keeps an engine on the CPU to validate requests and embed prompts for the router; the
-            # replicas build theirs from the same spec on their own devices
-            local = Carnator.from_spec(EngineSpec(model=config.model, device="cpu", cache_dir=store_url,
-                                                  blobs=config.blobs, config=spec_config))
             gpu = config.device.startswith("cuda")
             self.replicas = Replicas(
                 EngineSpec(model=config.model, device="cuda" if gpu else "cpu", cache_dir=store_url, blobs=config.blobs,
@@ -135,6 +131,12 @@ class Service:
                 ScaleConfig(replicas=config.replicas, ray_address=config.ray_address, router=config.router,
                             num_gpus=1.0 if gpu else 0.0, num_cpus=1.0, separate_caches=config.separate_caches,
                             busy_at=config.affinity_busy_at))
+            # the ingress validates requests and embeds prompts for the router with an engine on the CPU that has no
+            # transformer weights (the replicas build theirs from the same spec on their own devices)
+            local = Carnator.from_spec(EngineSpec(model=config.model, device="cpu", cache_dir=store_url,
+                                                  blobs=config.blobs, config=spec_config),
+                                       dit=False, model_identity=self.replicas.model_identity())
+            log.info("the ingress checks and embeds requests without the model's transformer (its replicas run it)")
             names = [f"replica-slot-{i}" for i in range(config.replicas)]
             remote = RemoteEngine(self.replicas, local)
             engines = [remote] * config.replicas
