@@ -878,6 +878,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most denoising steps a job may ask for (default: the model's limit)")
     s.add_argument("--max-attempts", type=_int_in(1, 100), default=2, metavar="N",
                    help="times a job is started before a server stopping mid-job fails it (default: %(default)s)")
+    s.add_argument("--retention", default="7d", metavar="DURATION",
+                   help="finished jobs (completed, failed, cancelled) and their videos are deleted this long after they "
+                        "end, e.g. 7d, 12h, 30m, 3600 (seconds); 0 keeps them forever (default: %(default)s)")
+    s.add_argument("--tenant-quota", default=None, metavar="SIZE",
+                   help="cache bytes one tenant may keep, e.g. 2GiB: an admission past it evicts that tenant's oldest "
+                        "entries first, never another tenant's (stored in the cache for every server and replica that "
+                        "opens it; default: no quota, only the cache's capacity)")
     _add_store_args(s, serve=True)
     s.add_argument("--replicas", type=_int_in(1, 1024), default=None, metavar="N",
                    help="run N engine replicas on Ray Serve behind this server (one GPU each with --device cuda, else one "
@@ -898,7 +905,10 @@ def cmd_serve(args) -> int:
     except ImportError as e:  # fastapi, uvicorn, ... (the serve extra)
         raise CarnatorError(f"carnator serve needs the serve extra: pip install 'carnator[serve]' ({e.name} is missing)") from None
     options = getattr(args, "option", None) or []
-    return main_args(args, engine_config={"policy_options": _policy_options(options)} if options else {})
+    engine_config: dict = {"policy_options": _policy_options(options)} if options else {}
+    if args.tenant_quota is not None:
+        engine_config["tenant_quota_bytes"] = parse_size(args.tenant_quota, "--tenant-quota")
+    return main_args(args, engine_config=engine_config)
 
 
 def main(argv: list[str] | None = None) -> int:

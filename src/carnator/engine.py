@@ -58,8 +58,9 @@ class EngineConfig:
         re-roll hit's frames differ from float32 storage's by at most 1/255 at a few pixels, lab/scripts/entry_dtype.py;
         "float32" keeps them exact).
     store_video: keep the decoded video with the entry, so an identical request is an exact hit.
-    capacity_bytes, eviction: when set, stored as the cache's own capacity (bytes) and eviction policy ("lru",
-        "lcbfu") with ``CacheBank.configure`` when the engine opens it; None (default) keeps what the cache has.
+    capacity_bytes, eviction, tenant_quota_bytes: when set, stored as the cache's own capacity (bytes), eviction
+        policy ("lru", "lcbfu") and per-tenant quota (bytes: past it a tenant's admission evicts its own oldest
+        entries) with ``CacheBank.configure`` when the engine opens it; None (default) keeps what the cache has.
     policy_options: per policy name, its config fields (``{"carnator": {"modifiers": 1}}``).
     intra_cache: one of diffusers' per-request caches applied to the transformer under every policy
         (None = off): a kind name, "KIND:opt=value,...", or {"kind": KIND, opt: value}; kinds first_block,
@@ -95,6 +96,7 @@ class EngineConfig:
     store_video: bool = True
     capacity_bytes: int | None = None
     eviction: str | None = None
+    tenant_quota_bytes: int | None = None
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     intra_cache: str | dict[str, Any] | None = None
     cuda_graphs: bool | None = None
@@ -764,7 +766,8 @@ def _open_store(cache_dir, config: EngineConfig, blobs=None) -> CacheStore:
         store = open_store(cache_dir, blobs=blobs)
     else:
         store = cache_dir
-    settings = {k: v for k, v in (("capacity_bytes", config.capacity_bytes), ("eviction", config.eviction)) if v is not None}
+    settings = {k: v for k, v in (("capacity_bytes", config.capacity_bytes), ("eviction", config.eviction),
+                                  ("tenant_quota_bytes", config.tenant_quota_bytes)) if v is not None}
     if settings:
         store.configure(**settings)  # the cache's own settings, for every process that opens it
     return store

@@ -162,6 +162,10 @@ class JobStore(Protocol):
     def recover(self, max_attempts: int) -> dict[str, list[str]]:
         """Start-up: jobs left in progress are requeued, failed (attempts used up) or cancelled (asked); their ids."""
 
+    def expire(self, before: float) -> list[str]:
+        """Retention: delete the jobs that finished (completed, failed, cancelled) before ``before`` (Unix seconds),
+        their log and their videos; their ids. Queued and running jobs are never touched."""
+
     def counts(self) -> dict[str, int]:
         """Jobs per status, over every tenant (for the operator's metrics; never shown to a tenant)."""
 
@@ -612,6 +616,29 @@ class SqlJobStore(VideoFiles):
         self._tx(sweep, critical=True)
         self._sweep_staging()
         return out
+
+    def expire(self, before: float, *, batch: int = 500) -> list[str]:
+        j, e = self.tables.jobs, self.tables.events
+        q = (sa.select(j.c.id).where(j.c.status.in_(TERMINAL), j.c.completed_at < float(before)).order_by(j.c.seq)
+             .limit(batch))
+
+        def sweep(c: sa.Connection) -> list[str]:
+            ids = list(c.execute(q).scalars())
+            if ids:
+                c.execute(sa.delete(e).where(e.c.job_id.in_(ids)))
+                c.execute(sa.delete(j).where(j.c.id.in_(ids)))
+            return ids
+
+        out: list[str] = []
+        while True:
+            ids = self._tx(sweep)  # the rows first: a crash between leaves only video files nothing names
+            for jid in ids:
+                for variant in VARIANTS:
+                    with contextlib.suppress(OSError):
+                        (self.video_dir / f"{jid}.{variant}").unlink()
+            out += ids
+            if len(ids) < batch:
+                return out
 
     def counts(self) -> dict[str, int]:
         j = self.tables.jobs

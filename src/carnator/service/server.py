@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +26,15 @@ from typing import Any
 
 from ..errors import CarnatorError
 from .events import EventHub
-from .jobs import VIDEO_DIR, JobStore, SqliteJobStore
+from .jobs import VIDEO_DIR, JobStore, JobStoreError, SqliteJobStore
 from .metrics import ServiceMetrics
 from .worker import Device, MeteredStore, WorkerPool
 
 log = logging.getLogger("carnator.service")
 
 LOCK_FILE = "serve.lock"
+#: how long finished jobs and their videos are kept by default (``--retention``; 0: forever)
+DEFAULT_RETENTION_S = 7 * 86400.0
 
 
 @dataclass
@@ -59,6 +62,7 @@ class ServeConfig:
     router: str = "affinity"
     separate_caches: bool = False
     affinity_busy_at: int = 1
+    retention_s: float = DEFAULT_RETENTION_S
 
 
 def load_keys(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -166,6 +170,7 @@ class Service:
         self.metrics.add_gauges(self.store.counts, self.engine.store.stats, self.pool.running, unavailable)
         self.recovered: dict[str, list[str]] = {}
         self._started = False
+        self._stopping = threading.Event()
 
     def validate(self, params: dict[str, Any], tenant: str) -> None:
         """InvalidRequestError (a CarnatorError) when the engine would refuse the request; else fills in ``params``'
@@ -194,9 +199,30 @@ class Service:
             if ids:
                 log.warning("%d job(s) left in progress by the previous run: %s", len(ids), kind)
         self.pool.start()
+        if self.config.retention_s > 0:
+            threading.Thread(target=self._retention_loop, name="carnator-retention", daemon=True).start()
+
+    def expire(self) -> list[str]:
+        """Delete the finished jobs (and their videos) older than the retention; their ids."""
+        ids = self.store.expire(time.time() - self.config.retention_s)
+        if ids:
+            log.info("deleted %d finished job(s) and their videos past the retention of %s", len(ids),
+                     duration_words(self.config.retention_s))
+        return ids
+
+    def _retention_loop(self) -> None:
+        every = min(600.0, max(1.0, self.config.retention_s / 10))
+        while True:
+            try:
+                self.expire()
+            except JobStoreError as exc:  # the job table busy or unreachable: the next sweep catches up
+                log.debug("retention sweep: %s", exc)
+            if self._stopping.wait(every):
+                return
 
     def begin_shutdown(self) -> None:
         """At the signal: running jobs stop at their next step (and are requeued), event streams end."""
+        self._stopping.set()
         self.pool.drain()
         self.hub.close()
 
@@ -215,6 +241,23 @@ class Service:
         if not self.pool.alive():
             return "no worker is running"
         return self.store.healthy()
+
+
+def parse_duration(text: str, flag: str = "--retention") -> float:
+    """A duration like ``7d``, ``12h``, ``30m``, ``45s`` or ``3600`` (seconds) in seconds; 0 is allowed (forever)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text).lower())
+    if m is None:
+        raise CarnatorError(f"{flag}: expected a duration like 7d, 12h, 30m, 45s, 3600 (seconds) or 0, got {text!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}[m.group(2)]
+
+
+def duration_words(seconds: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n and seconds % n == 0:
+            return f"{int(seconds // n)}{unit}"
+    return f"{seconds:g}s"
 
 
 def open_job_store(store_url: str | None, cache_dir: Path, server_lock: Any = None) -> JobStore:
@@ -342,6 +385,7 @@ def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
     """``carnator serve`` from parsed arguments (:mod:`carnator.cli`); ``engine_config``: EngineConfig fields the CLI
     checked (``--option``'s policy options)."""
     keys = load_keys(args.keys) if args.keys else None
+    retention_s = parse_duration(getattr(args, "retention", "7d"))
     if args.verbose:
         logging.getLogger("carnator").setLevel(logging.DEBUG)
     else:  # loading bars of diffusers/transformers (the model, the recall embedder) would bury the server's lines
@@ -369,7 +413,7 @@ def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
                       max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
                       allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts,
                       store=args.store, blobs=args.blobs, replicas=args.replicas or 0, ray_address=args.ray_address,
-                      router=args.router,
+                      router=args.router, retention_s=retention_s,
                       engine_config=dict(engine_config or {}))
     logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     sys.stdout.flush()
