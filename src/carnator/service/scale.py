@@ -312,6 +312,10 @@ class Replicas:
                     kwargs["num_gpus"] = torch.cuda.device_count()
             ray.init(**kwargs)
             self._owns_ray = True
+            if not config.ray_address:  # the local cluster ends with this server, even one killed with -9
+                from .reaper import start
+
+                self._reaper = start()
         else:
             self._owns_ray = False
         serve.start(proxy_location="Disabled")
