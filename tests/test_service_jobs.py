@@ -113,6 +113,24 @@ def test_retention_deletes_finished_jobs_and_their_videos_only(store):
         604800, 43200, 1800, 45, 3600, 0, 604800]
 
 
+def test_retry_starts_the_next_attempt_in_place(store):
+    """An engine that starts a job over (its replica died): the attempt ends, counted and logged, and the same worker
+    holds the next one; a stale attempt or a job whose cancellation was asked changes nothing."""
+    job = store.submit("a", P)[0]
+    store.claim("a", "w")
+    store.update_progress(job.id, 1, 40)
+    assert store.retry(job.id, 1, "w", "replica r1 failed mid-job") == 2
+    got = store.get("a", job.id)
+    assert (got.status, got.attempts, got.progress, got.worker) == (IN_PROGRESS, 2, 0, "w")
+    assert store.retry(job.id, 1, "w", "stale") is None and not store.finish(job.id, 1, COMPLETED, stats={})
+    assert [(h["kind"], h["attempt"]) for h in store.history(job.id)] == [
+        ("submitted", 0), ("claimed", 1), ("requeued", 1), ("claimed", 2)]
+    assert "replica r1 failed mid-job" in store.history(job.id)[2]["detail"]
+    store.cancel("a", job.id)
+    assert store.retry(job.id, 2, "w", "again") is None
+    assert store.finish(job.id, 2, CANCELLED) and store.get("a", job.id).attempts == 2
+
+
 def test_idempotency_replays_and_conflicts(store):
     h = request_hash({"prompt": "x"})
     j1, c1 = store.submit("a", P, idempotency_key="k1", request_hash=h)
