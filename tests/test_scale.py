@@ -76,7 +76,7 @@ def test_jobs_dispatched_at_once_run_on_both_replicas_at_once(server):
     """Two jobs taken at the same moment, both related to the first test's prompt (so both prefer its replica): one
     runs there, the other on the idle replica, side by side; neither waits behind the other on one replica."""
     with Client(server.url) as c:
-        ids = [c.submit(p, seed=20 + i, num_inference_steps=60, cache="off", store=False)["id"]
+        ids = [c.submit(p, seed=20 + i, num_inference_steps=40, cache="off", store=False)["id"]
                for i, p in enumerate(RELATED[:2])]
         a, b = (c.wait(i, timeout=240) for i in ids)
     assert a["status"] == b["status"] == "completed", (a, b)
