@@ -50,7 +50,7 @@ def watch(pid: int, poll_s: float = POLL_S) -> int:
 
 
 def start(pid: int | None = None):
-    """Start the watcher of ``pid`` (default: this process) in a session of its own (a Ctrl-C to the server's
+    """Start the watcher of ``pid`` (default: this process) in a process group of its own (a Ctrl-C to the server's
     terminal does not end it before the server has stopped); its :class:`subprocess.Popen`."""
     import subprocess
 
