@@ -119,8 +119,8 @@ def test_dir_without_model_index(capsys, tmp_path, cache):
         ([PROMPT, *TINY, "--fps", "-3"], ["--fps", "got -3"]),
         ([PROMPT, *TINY, "--fps", "many"], ["--fps", "'many'"]),
         ([PROMPT, *TINY, "--fps", "60", "--out", "OUT.gif"], ["fps must be an integer from 1 to 50 for .gif output, got 60"]),
-        ([PROMPT, *TINY, "--option", "carnator.modifiers=abc"], ["--option carnator.modifiers: expected an integer, got a string ('abc')"]),
-        ([PROMPT, *TINY, "--option", "carnator.region=3"], ["--option carnator.region: expected a JSON object of RegionConfig fields"]),
+        ([PROMPT, *TINY, "--option", "carnator.modifiers=abc"], ["--option carnator.modifiers: input should be a valid integer, got \"abc\""]),
+        ([PROMPT, *TINY, "--option", "carnator.region=3"], ["--option carnator.region: input should be an object, got 3"]),
         ([PROMPT, *TINY, "--option", 'carnator.region={"hgih": 0.4}'], ["RegionConfig has no field 'hgih'", "its fields:"]),
         ([PROMPT, *TINY, "--option", "carnator.tested=null"], []),  # a valid option: the run fails on --steps 0 below instead
     ],

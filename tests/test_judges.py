@@ -138,7 +138,7 @@ def test_the_shapes_judge_ships_with_the_library_under_the_identity_its_calibrat
     assert READER.is_file() and READER.parent.parent.name == "embedded"
     recorded = json.loads((REPO / "lab/notebook/bench-embedded/levers-tier45-h100-calibration.json").read_text())
     assert judge.identity == recorded["judge"] == "shapes-17fbf9e8578d"
-    assert judge.directions == {"fidelity": 1, "artifact": -1}
+    assert judge.directions == {"fidelity": 1, "artifact": -1, "shape": 1, "color": 1, "size": 1, "motion": 1, "background": 1}
     with pytest.raises(ValueError, match="takes no argument"):
         get_judge("shapes=x")
 
@@ -170,3 +170,8 @@ def test_the_shapes_judge_reads_a_clip_drawn_by_hand():
     assert own["fidelity"] == 1.0 and own["artifact"] == 0.0
     assert judge.score(clip, "a small blue box moving right in the snow")["fidelity"] == 0.0
     assert judge.score(clip, "footage of a tiny yellow star drifting left on a grassy field, 4k")["fidelity"] == 2 / 5
+    # each kind of attribute on its own: what an edit's rule reads (the colour kept, the shape lost)
+    by_kind = judge.score(clip, "a big red box moving left on grass")
+    assert {k: by_kind[k] for k in ("shape", "color", "size", "motion", "background")} == {
+        "shape": 0.0, "color": 1.0, "size": 1.0, "motion": 1.0, "background": 1.0}
+    assert math.isnan(judge.score(clip, "a red ball")["motion"])   # no motion stated: nothing to check

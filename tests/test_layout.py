@@ -111,6 +111,9 @@ def test_cycle_finder_sees_a_cycle():
         ("carnator.judges", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies"]),
         # The denoiser executes plans; it never decides.
         ("carnator.denoise", ["carnator.policies", "carnator.cache", "carnator.engine", "carnator.stages"]),
+        # A stage runs one step of one request over its RequestState: it never reaches back into the engine that
+        # sequences the stages, nor up into the service or the command line.
+        ("carnator.stages", ["carnator.engine", "carnator.service", "carnator.cli", "carnator.bench", "carnator.calibration"]),
         # The service queues, routes and reports: it reaches models only through the engine.
         ("carnator.service", ["carnator.backbones", "carnator.denoise", "carnator.stages", "carnator.attention"]),
     ],
@@ -118,3 +121,13 @@ def test_cycle_finder_sees_a_cycle():
 def test_layer_contract(graph, package, forbidden):
     bad = sorted(m for m in _imports_of(graph, package) if any(m == f or m.startswith(f + ".") for f in forbidden))
     assert bad == [], f"{package} imports {bad}"
+
+
+def test_the_engine_runs_the_named_stages(graph):
+    """exact -> recall -> probe -> decide -> plan -> denoise -> store: each stage its own module, which the engine
+    imports (and the stages' request state is the one object they share)."""
+    for stage in ("exact", "recall", "probe", "decide", "plan", "store", "state"):
+        assert f"carnator.stages.{stage}" in graph.modules, stage
+    assert graph.direct_import_exists(importer="carnator.engine", imported="carnator.stages")
+    for stage in ("exact", "decide", "plan", "store"):
+        assert graph.direct_import_exists(importer="carnator.stages", imported=f"carnator.stages.{stage}"), stage

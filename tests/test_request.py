@@ -9,6 +9,7 @@ minutes). Measured with this file's benchmark note below, not asserted: 10,000 r
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -195,3 +196,108 @@ def test_noun_spans_of_a_huge_prompt_in_a_subprocess():
 ])
 def test_noun_spans_known_answers(text, noun, mods, expected):
     assert noun_phrase_spans(text, noun, mods) == expected
+
+
+# ---- one Params object from each edge to the engine -------------------------------------------------------------
+
+
+def _params(**kw):
+    from carnator.request import Params
+
+    return Params(**{"prompt": "a red ball on grass", "seed": 12345, **kw})
+
+
+def test_params_are_frozen_and_cross_json_and_pickle_as_themselves():
+    import dataclasses
+    import pickle
+
+    from carnator.request import Params
+
+    p = _params(guidance_scale=2.5, tenant="t1", cache="exact", store=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.seed = 1  # type: ignore[misc]
+    assert Params.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert pickle.loads(pickle.dumps(p)) == p  # what a Ray call carries
+    row = p.to_dict(tenant=False)  # a job row keeps the tenant in its own column
+    assert "tenant" not in row and Params.from_dict({**row, "later_key": 1}, tenant="t1") == p
+
+
+def test_the_engines_entry_takes_only_params():
+    from carnator.engine import Carnator
+
+    eng = object.__new__(Carnator)  # the type is checked before anything of the engine is read
+    with pytest.raises(TypeError, match="Params"):
+        eng.run({"prompt": "a red ball on grass", "seed": 1})
+
+
+def test_a_seed_from_http_reaches_the_job_row_and_the_engine_as_params(tmp_path):
+    """HTTP body -> Params -> Service.validate -> the job row (JSON) -> the worker -> ``engine.run``: a Params at
+    every hop, the seed unchanged."""
+    pytest.importorskip("fastapi")
+    from types import SimpleNamespace
+
+    from carnator.request import Params, Request
+    from carnator.service.app import _request_model, to_params
+    from carnator.service.events import EventHub
+    from carnator.service.jobs import SqliteJobStore
+    from carnator.service.metrics import ServiceMetrics
+    from carnator.service.server import Service
+    from carnator.service.worker import Device, WorkerPool
+
+    body = _request_model(("carnator", "dense"), 50)(prompt="a red ball on grass", seed=987654321, policy="dense")
+    params = to_params(body, "t1")
+    assert type(params) is Params and params.seed == 987654321 and params.tenant == "t1"
+
+    seen = []
+
+    def resolve(prompt, *, seed, **kw):
+        assert not isinstance(seed, dict)
+        return Request(prompt=prompt, seed=seed, num_inference_steps=kw["num_inference_steps"] or 8, num_frames=9,
+                       height=32, width=32, guidance_scale=kw["guidance_scale"] or 4.0, tenant=kw["tenant"])
+
+    def run(p, **hooks):
+        seen.append(p)
+        from carnator.errors import InvalidRequestError
+
+        raise InvalidRequestError("stop here: the test follows the parameters, not the model")
+
+    engine = SimpleNamespace(resolve=resolve, policy=lambda name: None, run=run)
+    validated = Service.validate(SimpleNamespace(engine=engine, max_steps=50), params)
+    assert type(validated) is Params and validated.seed == 987654321 and validated.num_inference_steps == 8
+
+    store = SqliteJobStore(tmp_path)
+    job, _ = store.submit("t1", validated.to_dict(tenant=False))
+    pool = WorkerPool(store, [Device("cpu", engine)], EventHub(), ServiceMetrics())
+    claimed = store.claim("t1", "w")
+    pool._run(pool.devices[0], claimed)
+    assert len(seen) == 1 and type(seen[0]) is Params
+    assert seen[0] == validated  # the job row read back is the request validated: seed, settings, tenant
+
+
+def test_the_ingress_hands_params_to_the_replica_as_itself():
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from carnator.request import Params
+    from carnator.service.scale import RemoteEngine
+
+    sent = []
+
+    class Handle:
+        def options(self, **kw):
+            return self
+
+        @property
+        def generate(self):
+            return self
+
+        def remote(self, params, **kw):
+            sent.append(params)
+            return iter([{"kind": "error", "type": "invalid_request", "message": "stop"}])
+
+    replicas = SimpleNamespace(affinity=None, handle=Handle())
+    from carnator.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):
+        RemoteEngine(replicas, SimpleNamespace(adapter=None)).run(_params(tenant="t2"))
+    assert len(sent) == 1 and type(sent[0]) is Params and sent[0].seed == 12345 and sent[0].tenant == "t2"

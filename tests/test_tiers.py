@@ -63,6 +63,33 @@ def test_a_kind_too_few_or_too_unsafe_to_certify_gets_no_certified_tier():
     assert same["scope"] == "frame" and same["certified"] is True
 
 
+def test_an_edits_rule_reads_the_attribute_it_asks_and_the_noise_floor_is_dense_against_another_sample():
+    from carnator.calibration import noise_floor
+    from carnator.cli import _tier_rules, build_parser
+    from carnator.errors import CarnatorError
+    from carnator.judges import QualityRule, get_judge
+
+    judge = get_judge("shapes")
+    base = QualityRule.for_judge(judge, fidelity=0.25, artifact=0.1)
+    args = build_parser().parse_args(["calibrate", "--tier-quality", "colour:color=0.05", "--tier-quality", "object:shape=0.05"])
+    rules = _tier_rules(args, judge, base)
+    assert set(rules) == {"colour", "object"} and rules["colour"].deltas == {"fidelity": 0.25, "artifact": 0.1, "color": 0.05}
+    # a colour edit that kept the cached colour of one of two objects: fidelity loses 1 of 8 checks (within 0.25),
+    # color loses 1 of 2 - the base rule passes it, the colour rule does not
+    dense = {"fidelity": 1.0, "artifact": 0.01, "color": 1.0, "shape": 1.0}
+    kept = {"fidelity": 7 / 8, "artifact": 0.01, "color": 0.5, "shape": 1.0}
+    assert base.acceptable(kept, dense) and not rules["colour"].acceptable(kept, dense) and rules["object"].acceptable(kept, dense)
+    with pytest.raises(CarnatorError, match="KIND:SCORE=DELTA"):
+        _tier_rules(build_parser().parse_args(["calibrate", "--tier-quality", "hue:color=0.05"]), judge, base)
+    # the noise floor: per kind, one verdict per pair (rows of several steps share it), by that kind's rule
+    rows = [{"i": i, "change": "colour", "resume_step": s, "dense": dense, "dense_other": kept if i < 2 else dense}
+            for i in range(5) for s in (2, 5)]
+    rows += [{"i": 9, "change": "object", "resume_step": 2, "dense": dense, "dense_other": kept}]
+    assert noise_floor(rows, base, rules) == {"colour": {"pairs": 5, "fails": 2, "share": 0.4},
+                                              "object": {"pairs": 1, "fails": 0, "share": 0.0}}
+    assert noise_floor(rows, base)["colour"]["fails"] == 0
+
+
 def test_tiers_round_trip_through_a_thresholds_file_and_scale_to_the_schedule(tmp_path):
     tiers = (Tier("re-roll", 45, 50, scope="frame", pairs=120, accepted=120, bound=0.019, certified=True),
              Tier("colour", 5, 50, pairs=56, accepted=56, bound=0.04, certified=True))

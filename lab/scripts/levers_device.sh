@@ -51,18 +51,24 @@ case $mode in
     wait
     for r in ${STEPS:-40 45}; do tail -3 /tmp/tier$r.log; keep /tmp/tier$r tier$r; done ;;
   edits)
-    # [STEPS=3,6,10,15] [SCOPE=frame] [PAIRS=300] [FIDELITY=0.05]: edit tiers (lab/scripts/edit_tiers.py draw -> .cache/dev/edit-pairs.jsonl): each pair's target reused from every
-    # step of STEPS, one calibrate run; the tiers it certifies in OUT/edits/thresholds.json
+    # [STEPS=2,5,12] [SCOPE=frame] [PAIRS=600] [NOISE=1]: edit tiers (lab/scripts/edit_tiers.py draw -> .cache/dev/edit-pairs.jsonl):
+    # each pair's target reused from every step of STEPS (and, NOISE=1, generated densely at another seed: the rule's
+    # noise floor), one calibrate run; each edit kind judged by the rule plus the attribute it asks (TIER_RULES); the
+    # tiers it certifies in OUT/edits/thresholds.json
     pf=${PAIRS_FILE:-.cache/dev/edit-pairs.jsonl}; n=${PAIRS:-$(wc -l < $pf)}
+    tq="--tier-quality colour:color=0.05 --tier-quality object:shape=0.05 --tier-quality size:size=0.05 --tier-quality motion:motion=0.05 --tier-quality place:background=0.05"
+    tq=${TIER_RULES:-$tq}
+    # RESUME=DIR: the rows (pairs.jsonl, pairs.meta.json) of an earlier call of the same run, continued here
+    [ -n "${RESUME:-}" ] && mkdir -p /tmp/edits && cp "$RESUME"/pairs.jsonl "$RESUME"/pairs.meta.json /tmp/edits/
     timeout -k 10 "$budget" python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate \
-      --pairs-file $pf --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 \
-      --device cuda --cuda-graphs --jobs ${JOBS:-14} --resume-step ${STEPS:-5,15,30} --tier-scope ${SCOPE:-auto} --cache-dir /tmp/edits-cache --out /tmp/edits \
+      --pairs-file $pf --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 $tq $([ "${NOISE:-1}" = 1 ] && echo --noise-floor) \
+      --device cuda --cuda-graphs --jobs ${JOBS:-14} --resume-step ${STEPS:-2,5,12} --tier-scope ${SCOPE:-frame} --cache-dir /tmp/edits-cache --out /tmp/edits \
       > /tmp/edits.log 2>&1
     pkill -f "carnator.cli" ; sleep 2; tail -3 /tmp/edits.log; keep /tmp/edits edits
     gunzip -c "$out/edits/pairs.jsonl.gz" > /tmp/edits/pairs.jsonl   # whole lines only
     # the selection and certification over what finished (a cut run has no thresholds.json yet)
     timeout 60 python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate --select-only \
-      --judge shapes --quality fidelity=${FIDELITY:-0.05} --quality artifact=0.1 --resume-step ${STEPS:-5,15,30} --out /tmp/edits > /tmp/edits-select.log 2>&1
+      --judge shapes --quality fidelity=0.25 --quality artifact=0.1 $tq --resume-step ${STEPS:-2,5,12} --out /tmp/edits > /tmp/edits-select.log 2>&1
     tail -5 /tmp/edits-select.log; cp /tmp/edits/*.json "$out/edits/" 2>/dev/null ;;
 esac
 echo "done in $(( $(date +%s) - t0 )) s"

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,9 @@ from .reuse.tiers import KINDS, SAME_CONTENT_KINDS, Tier
 from .signature.content import change_kind
 
 Pair = tuple[str, str, int, str, int]
+
+#: ``noise_floor``'s other sample of a target: its seed plus this
+NOISE_SEED_OFFSET = 100_003
 
 
 def calibration_pair(row: dict, acceptable: bool | None = None) -> CalibrationPair:
@@ -77,7 +81,7 @@ def recall_pairs(warm, stream, embedder, nouns, *, top_k: int = 10, n: int | Non
 
     W, Q = _unit(embedder, [r.prompt for r in warm]), _unit(embedder, [r.prompt for r in stream])
     warm_nouns = [nouns(r.prompt) for r in warm]
-    out = []
+    out: list[tuple[str, str, int, str, int]] = []
     for r, q in zip(stream, Q):
         if n is not None and len(out) == n:
             break
@@ -109,7 +113,8 @@ def seconds_per_pair(rows) -> dict[str, float]:
 def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judge: Judge, rule: QualityRule,
                     source: Mapping | None = None, steps: int | None = None, settings: Mapping | None = None,
                     cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | Sequence[int] | None = None,
-                    progress=print, shard: tuple[int, int] | None = None, tier_scope: str = "auto") -> dict | None:
+                    progress=print, shard: tuple[int, int] | None = None, tier_scope: str = "auto",
+                    tier_rules: Mapping[str, QualityRule] | None = None, noise_floor: bool = False) -> dict | None:
     """Generate and judge the ``pairs`` not yet in ``out_dir/pairs.jsonl``, then select and certify thresholds and write
     them (thresholds.json, calibration.json); returns the summary. ``pairs=None`` (``--select-only``) generates nothing:
     it selects and certifies from every pair already there, e.g. under another rule. ``source``: how the pairs were
@@ -121,11 +126,22 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     reused from every step, one row per (pair, step), and the thresholds file certifies one tier per kind of change
     (:func:`carnator.reuse.certify_tiers`) instead of one set of thresholds. ``tier_scope``: how those reuses
     recompute: "frame" every token from the step, "region" the probe's regions (blending the source in outside them),
-    "auto" frame for re-rolls and rewordings, region for edits."""
+    "auto" frame for re-rolls and rewordings, region for edits. ``tier_rules``: a kind of change's own rule (an edit's
+    rule reads the attribute it asks for), the ``rule`` for the others.
+
+    ``noise_floor``: each pair's target is also generated densely at another seed (:data:`NOISE_SEED_OFFSET` added) and
+    judged (``dense_other``): how often the rule fails dense against dense, per kind, is the summary's ``noise_floor``
+    - the unsafe share a reuse shows when it is merely another sample of the target, which the certificate cannot
+    get below."""
     from .policies.carnator import DEFAULT_RESUME_STEP, CarnatorConfig, CarnatorPolicy
 
     log_path = out_dir / "pairs.jsonl"
     generate = pairs is not None
+    tier_rules = dict(tier_rules or {})
+
+    def rule_for(row: Mapping) -> QualityRule:
+        return tier_rules.get(str(row.get("change")), rule)
+
     if not generate and not (log_path.exists() and log_path.stat().st_size > 0):
         raise CarnatorError(f"{out_dir} holds no pairs to select from (pairs.jsonl); run without --select-only first")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -179,10 +195,11 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     if log_path.exists():
         for line in log_path.read_text().splitlines():
             r = json.loads(line)
-            r["acceptable"] = rule.label(r)   # this run's rule: a run resumed with other deltas relabels
+            r["acceptable"] = rule_for(r).label(r)   # this run's rule: a run resumed with other deltas relabels
             done[_row_key(r, tiered)] = r
     kw = {"num_inference_steps": steps, **dict(settings or {})}
-    todo = [i for i in range(len(pairs or ())) if (shard is None or i % shard[1] == shard[0])
+    pairs = pairs or ()
+    todo = [i for i in range(len(pairs)) if (shard is None or i % shard[1] == shard[0])
             and any(_row_key({"i": i, "resume_step": r}, tiered) not in done for r in at_steps)]
     t_start, n_todo = time.perf_counter(), len(todo)
     # every pair runs the same settings: their number of steps, recorded with each row (the file's meta.resume)
@@ -206,6 +223,10 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
             jd = judge.score(dense.frames, tgt, reference=dense.frames)
             # what changed from the source to the target, as the policy names it when it decides (the tier's kind)
             change = change_kind(tgt, src, engine.content(tgt), engine.content(src))
+            other = None
+            if noise_floor:  # another sample of the target, judged as a reuse would be
+                dense2 = engine.generate(tgt, seed=t_seed + NOISE_SEED_OFFSET, policy="dense", tenant=tenant, store=False, **kw)
+                other = judge.score(dense2.frames, tgt, reference=dense.frames)
             for r_step in at_steps:
                 if _row_key({"i": i, "resume_step": r_step}, tiered) in done:
                     continue
@@ -218,7 +239,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
                 row = {"i": i, "kind": kind, "change": change, "scope": scope_of.get(change) if tiered else None,
                        "source": src, "target": tgt, "hit": reuse.stats.hit, "d": d,
                        "reason": reuse.stats.reason,
-                       "dense": jd, "reuse": jr,
+                       "dense": jd, "reuse": jr, **({"dense_other": other} if other is not None else {}),
                        "dit_dense": dense.stats.timings.get("dit"), "dit_reuse": reuse.stats.timings.get("dit"),
                        # wall seconds of the pair's four parts; each generation's own decode and DiT seconds are inside them
                        "seconds": {"source": t1 - t0, "dense": t2 - t1, "reuse": t4 - t3, "judge": t5 - t4,
@@ -232,7 +253,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
                 src_meta = engine.store.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
                 row["signatures"] = {"query": reuse.stats.notes.get("signature"),
                                      "source": None if src_meta is None else src_meta.extra.get("signature")}
-                row["acceptable"] = rule.label(row)
+                row["acceptable"] = rule_for(row).label(row)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 done[_row_key(row, tiered)] = row
@@ -244,7 +265,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     if shard is not None:
         return None
     if tiered:
-        return _write_tiers(engine, out_dir, done.values(), cfg, rule, judge, reading, drawn)
+        return _write_tiers(engine, out_dir, done.values(), cfg, rule, judge, reading, drawn, tier_rules)
     rows = reused_rows(done.values())
     if any("text" not in r["d"] for r in rows):
         backfill_text(rows, engine.embedder)
@@ -256,11 +277,11 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     tau_path = out_dir / "thresholds.json"
     # The step the certified reuses resumed at, of how many: the step a policy loading the file resumes at. Rows of
     # mixed steps (or from before rows recorded them) certify none in particular, and the file names none.
-    at_steps = {(r.get("resume_step"), r.get("num_steps")) for r in rows}
+    run_steps = {(r.get("resume_step"), r.get("num_steps")) for r in rows}
     resume = {}
-    if len(at_steps) == 1 and None not in next(iter(at_steps)):
-        r_step, r_of = next(iter(at_steps))
-        resume = {"resume": {"step": int(r_step), "of": int(r_of), "certified_steps": [int(r_step)]}}
+    only_step, only_of = next(iter(run_steps))
+    if len(run_steps) == 1 and only_step is not None and only_of is not None:
+        resume = {"resume": {"step": int(only_step), "of": int(only_of), "certified_steps": [int(only_step)]}}
     res.thresholds.save(tau_path, model_id=engine.model_identity, reading=reading,
                         meta={**res.to_dict(), "rule": rule.to_dict(), "judge": judge.identity, **resume,
                               "selection_confidence": cfg.selection_confidence, "text_threshold": cfg.text, "decision_rule": cfg.rule})
@@ -272,11 +293,33 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     return summary
 
 
-def _write_tiers(engine, out_dir: Path, rows, cfg: CalibrationConfig, rule: QualityRule, judge: Judge, reading, drawn) -> dict:
+def noise_floor(rows, rule: QualityRule, tier_rules: Mapping[str, QualityRule] | None = None) -> dict[str, dict[str, Any]]:
+    """Per kind of change, how often the rule fails another dense sample of the target against its dense run (rows
+    with ``dense_other``, one per pair): the unsafe share of a reuse that is merely another sample."""
+    seen: dict[tuple, Mapping] = {}
+    for r in rows:
+        if r.get("dense_other") is not None:
+            seen.setdefault((r.get("change") or r.get("kind"), r["i"]), r)
+    out: dict[str, dict[str, Any]] = {}
+    for (kind, _), r in sorted(seen.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        label = (tier_rules or {}).get(str(kind), rule).acceptable(r["dense_other"], r["dense"])
+        e = out.setdefault(str(kind), {"pairs": 0, "fails": 0})
+        e["pairs"] += 1
+        e["fails"] += int(not label)
+    for e in out.values():
+        e["share"] = round(e["fails"] / e["pairs"], 4)
+    return out
+
+
+def _write_tiers(engine, out_dir: Path, rows, cfg: CalibrationConfig, rule: QualityRule, judge: Judge, reading, drawn,
+                 tier_rules: Mapping[str, QualityRule] | None = None) -> dict:
     """Certify one tier per kind of change from rows of several resume steps and write the thresholds file: the
     certified tiers, and thresholds that read no signature (a tier's kind is read from the two prompts)."""
     rows = sorted(rows, key=lambda r: (r["i"], r["resume_step"]))
     table = certify_tiers(rows, cfg)
+    for kind, own in (tier_rules or {}).items():   # the rule each kind was labelled by
+        if kind in table:
+            table[kind]["rule"] = own.to_dict()
     tiers = tuple(Tier.from_dict(t) for t in table.values() if t.get("certified"))
     tau = Thresholds(math.inf, math.inf, math.inf, math.inf, tiers=tiers)
     tau_path = out_dir / "thresholds.json"
@@ -284,7 +327,9 @@ def _write_tiers(engine, out_dir: Path, rows, cfg: CalibrationConfig, rule: Qual
              meta={"certified": bool(tiers), "tiers": table, "rule": rule.to_dict(), "judge": judge.identity,
                    "delta": cfg.delta, "confidence": cfg.confidence, "selection_confidence": cfg.selection_confidence,
                    "certification_split": {"selection_fraction": cfg.selection_fraction, "split_seed": cfg.split_seed}})
+    floor = noise_floor(rows, rule, tier_rules)
     summary = {"pairs": len({r["i"] for r in rows}), **drawn, "rows": len(rows), "rule": rule.to_dict(), "tiers": table,
+               **({"noise_floor": floor} if floor else {}),
                "thresholds_file": str(tau_path), "seconds_per_pair": seconds_per_pair(rows)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

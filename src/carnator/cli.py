@@ -11,9 +11,14 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import CarnatorError
+
+if TYPE_CHECKING:
+    from .request import Params
 
 #: the policies ``--policy`` offers (the registry's names, :func:`carnator.policies.policy_names`; a test keeps them
 #: equal): listed here so that parsing a command line does not import the policies (torch, scipy)
@@ -48,6 +53,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _later(text: Callable[[], str]) -> str:
+    """A help text computed when shown (:class:`_HelpFormatter` calls it), passed where argparse types a string."""
+    return cast(str, text)
 
 
 def _int_in(lo: int, hi: int):
@@ -141,48 +151,55 @@ def _size_words(n: int | None) -> str:
     return f"{n} B"
 
 
-def _type_problem(value, hint) -> str | None:
-    """Why the JSON ``value`` does not fit the config field type ``hint`` (None: it fits, or the type is not checked)."""
+def _options_model(config: type) -> Any:
+    """A strict pydantic model of the config dataclass ``config``'s fields (nested config dataclasses as models too;
+    unknown fields refused), every field optional: it checks the fields an ``--option`` gives, as JSON."""
     import dataclasses
+    import functools
     import types
     import typing
 
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        problems = [_type_problem(value, a) for a in args]
-        if any(p is None for p in problems):
-            return None
-        return " or ".join(dict.fromkeys(p.split(", got ")[0] for p in problems if p)) + f", got {_json_type(value)}"
-    if hint is type(None):
-        return None if value is None else f"expected null, got {_json_type(value)}"
-    if origin is typing.Literal:
-        return None if value in args else f"expected one of {', '.join(map(repr, args))}, got {value!r}"
-    if hint is bool:
-        return None if isinstance(value, bool) else f"expected true or false, got {_json_type(value)}"
-    if hint is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else f"expected an integer, got {_json_type(value)}"
-    if hint is float:
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else f"expected a number, got {_json_type(value)}"
-    if hint is str:
-        return None if isinstance(value, str) else f"expected a string, got {_json_type(value)}"
-    if origin in (tuple, list):
-        return None if isinstance(value, list) else f"expected a JSON list, got {_json_type(value)}"
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            return f"expected a JSON object of {hint.__name__} fields, got {_json_type(value)}"
-        hints = typing.get_type_hints(hint)
-        for k, v in value.items():
-            if k not in hints:
-                return f"{hint.__name__} has no field {k!r}; its fields: {', '.join(hints)}"
-            problem = _type_problem(v, hints[k])
-            if problem:
-                return f"{k}: {problem}"
+    from pydantic import ConfigDict, create_model
+
+    @functools.cache
+    def model(dc: type) -> Any:
+        def field_type(hint: Any) -> Any:
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+                return model(hint)
+            origin, args = typing.get_origin(hint), typing.get_args(hint)
+            if origin in (typing.Union, types.UnionType):
+                return functools.reduce(lambda a, b: a | b, [field_type(a) for a in args])
+            return hint
+
+        hints = typing.get_type_hints(dc)
+        fields: dict[str, Any] = {f.name: (field_type(hints[f.name]), None) for f in dataclasses.fields(dc)}
+        return create_model(dc.__name__, __config__=ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True),
+                            **fields)
+
+    return model(config)
+
+
+def _option_problem(name: str, config: type, opts: dict[str, Any]) -> str | None:
+    """Why the JSON values ``opts`` do not fit the fields of the config dataclass ``config`` (pydantic, strict: a
+    boolean is no integer, a string no number), naming the field; None when they fit."""
+    import dataclasses
+    import typing
+
+    from pydantic import ValidationError
+
+    try:
+        _options_model(config).model_validate_json(json.dumps(opts))
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        if err["type"] == "extra_forbidden":  # an unknown field of a nested config: name its class and its fields
+            owner: Any = config
+            for part in loc[:-1]:
+                owner = typing.get_type_hints(owner)[part]
+            names = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+            return f"--option {name}.{loc[0]}: {getattr(owner, '__name__', owner)} has no field {loc[-1]!r}; its fields: {', '.join(names)}"
+        return f"--option {name}.{'.'.join(loc)}: {err['msg'][0].lower()}{err['msg'][1:]}, got {json.dumps(err['input'])}"
     return None
-
-
-def _json_type(value) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
-            type(None): "null"}.get(type(value), type(value).__name__) + (f" ({value!r})" if isinstance(value, str) else "")
 
 
 def _policy_options(items: list[str]) -> dict[str, dict]:
@@ -213,10 +230,9 @@ def _policy_options(items: list[str]) -> dict[str, dict]:
         if unknown:
             fields = ", ".join(hints) or "none"
             raise CarnatorError(f"--option: {name} has no field {', '.join(unknown)}; its fields: {fields}")
-        for fld, value in opts.items():
-            problem = _type_problem(value, hints[fld])
-            if problem:
-                raise CarnatorError(f"--option {name}.{fld}: {problem}")
+        problem = _option_problem(name, type(cfg), opts) if dataclasses.is_dataclass(cfg) else None
+        if problem:
+            raise CarnatorError(problem)
         try:
             klass(**opts)
         except (TypeError, ValueError) as e:
@@ -232,9 +248,9 @@ def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--intra-cache", default=None, metavar="KIND[:OPT=VAL,...]",
-        help=lambda: "also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
+        help=_later(lambda: "also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
                      f"Kinds (options, defaults): {describe_kinds()}. Ranges are LO..HI; mag ratios R0/R1/... or @file.json. "
-                     "See docs/METHOD.md.",
+                     "See docs/METHOD.md."),
     )
 
 
@@ -269,6 +285,15 @@ def _engine(args):
                                     blobs=getattr(args, "blobs", None), torch_dtype=torch_dtype)
 
 
+def _params(args: argparse.Namespace) -> Params:
+    """The request ``carnator generate``'s flags ask for."""
+    from .request import Params
+
+    return Params(prompt=args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
+                  num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
+                  guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, cache=args.cache)
+
+
 def cmd_generate(args) -> int:
     from .video import check_fps, write_video
 
@@ -295,11 +320,7 @@ def cmd_generate(args) -> int:
         bar.update(done - bar.n)
 
     try:
-        res = eng.generate(
-            args.prompt, seed=args.seed, policy=args.policy, negative_prompt=args.negative_prompt,
-            num_inference_steps=args.steps, num_frames=args.frames, height=args.height, width=args.width,
-            guidance_scale=args.guidance, tenant=args.tenant, store=not args.no_store, cache=args.cache, progress=progress,
-        )
+        res = eng.run(_params(args), progress=progress)
     finally:
         if bar is not None:
             bar.close()
@@ -406,7 +427,8 @@ def cmd_calibrate(args) -> int:
                               settings=_settings(args),
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold,
                                                     selection_confidence=args.selection_confidence, rule=args.rule),
-                              resume_step=args.resume_step, shard=args.shard, tier_scope=args.tier_scope)
+                              resume_step=args.resume_step, shard=args.shard, tier_scope=args.tier_scope,
+                              tier_rules=_tier_rules(args, judge, rule), noise_floor=args.noise_floor)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
     return 0
@@ -659,33 +681,40 @@ def _add_judge_args(p: argparse.ArgumentParser, what: str) -> None:
                         "clip: clip_t=0.02 and ssim>=0.5; shapes: fidelity=0.1 and artifact=0.02)")
 
 
+def _parse_quality(items, judge, flag: str = "--quality") -> tuple[dict[str, float], dict[str, float]]:
+    """SCORE=DELTA / SCORE>=FLOOR / SCORE<=CEILING items as (deltas, floors)."""
+    deltas: dict[str, float] = {}
+    floors: dict[str, float] = {}
+    for item in items:
+        for op in (">=", "<=", "="):
+            k, sep, v = item.partition(op)
+            if sep:
+                break
+        try:
+            value = float(v)
+        except ValueError:
+            sep = ""
+        if not sep or not k.strip():
+            raise CarnatorError(f"{flag} {item!r}: expected SCORE=DELTA or SCORE>=FLOOR (SCORE<=CEILING), e.g. clip_t=0.02")
+        k = k.strip()
+        if op == "=":
+            deltas[k] = value
+            continue
+        want = 1 if op == ">=" else -1
+        if k in judge.directions and judge.directions[k] != want:
+            better = "higher" if judge.directions[k] > 0 else "lower"
+            raise CarnatorError(f"{flag} {item!r}: {k} is better {better}; write {k}{'>=' if better == 'higher' else '<='}{v}")
+        floors[k] = value
+    return deltas, floors
+
+
 def _quality_rule(args, judge):
     from .judges import QualityRule
 
     deltas = dict(getattr(judge, "default_deltas", {}) or {})
     floors = dict(getattr(judge, "default_floors", {}) or {})
     if args.quality:
-        deltas, floors = {}, {}
-        for item in args.quality:
-            for op in (">=", "<=", "="):
-                k, sep, v = item.partition(op)
-                if sep:
-                    break
-            try:
-                value = float(v)
-            except ValueError:
-                sep = ""
-            if not sep or not k.strip():
-                raise CarnatorError(f"--quality {item!r}: expected SCORE=DELTA or SCORE>=FLOOR (SCORE<=CEILING), e.g. clip_t=0.02")
-            k = k.strip()
-            if op == "=":
-                deltas[k] = value
-                continue
-            want = 1 if op == ">=" else -1
-            if k in judge.directions and judge.directions[k] != want:
-                better = "higher" if judge.directions[k] > 0 else "lower"
-                raise CarnatorError(f"--quality {item!r}: {k} is better {better}; write {k}{'>=' if better == 'higher' else '<='}{v}")
-            floors[k] = value
+        deltas, floors = _parse_quality(args.quality, judge)
     if not deltas and not floors:
         raise CarnatorError(f"--quality: the {judge.name} judge has no default rule; name its scores, e.g. "
                             + " ".join(f"--quality {k}=0.02" for k in judge.directions))
@@ -693,6 +722,27 @@ def _quality_rule(args, judge):
         return QualityRule.for_judge(judge, floors, **deltas)
     except (ValueError, CarnatorError) as e:
         raise CarnatorError(f"--quality: {e}") from None
+
+
+def _tier_rules(args, judge, rule) -> dict:
+    """``--tier-quality KIND:SCORE=DELTA`` items as each named kind's rule: the ``rule`` with these scores added."""
+    from .judges import QualityRule
+    from .reuse.tiers import KINDS
+
+    items: dict[str, list[str]] = {}
+    for item in getattr(args, "tier_quality", None) or []:
+        kind, sep, rest = item.partition(":")
+        if not sep or kind.strip() not in KINDS:
+            raise CarnatorError(f"--tier-quality {item!r}: expected KIND:SCORE=DELTA with KIND one of {', '.join(KINDS)}")
+        items.setdefault(kind.strip(), []).append(rest)
+    out = {}
+    for kind, its in items.items():
+        deltas, floors = _parse_quality(its, judge, "--tier-quality")
+        try:
+            out[kind] = QualityRule.for_judge(judge, {**rule.floors, **floors}, **{**rule.deltas, **deltas})
+        except (ValueError, CarnatorError) as e:
+            raise CarnatorError(f"--tier-quality: {e}") from None
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -711,15 +761,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "baselines nirvana, chorus, chorus2 (default: %(default)s)")
     g.add_argument("--negative-prompt", default=None, help="what the video should not show (default: the model's)")
     g.add_argument("--steps", type=int, default=None,
-                   help=lambda: f"denoising steps, at most 1000 (default: the model's; embedded: {_embedded_default('num_inference_steps')})")
+                   help=_later(lambda: f"denoising steps, at most 1000 (default: the model's; embedded: {_embedded_default('num_inference_steps')})"))
     g.add_argument("--frames", type=int, default=None,
-                   help=lambda: f"frames of the video (default: the model's; the embedded model makes {_embedded_default('frames')} only)")
+                   help=_later(lambda: f"frames of the video (default: the model's; the embedded model makes {_embedded_default('frames')} only)"))
     g.add_argument("--height", type=int, default=None,
-                   help=lambda: f"height in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)")
+                   help=_later(lambda: f"height in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)"))
     g.add_argument("--width", type=int, default=None,
-                   help=lambda: f"width in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)")
+                   help=_later(lambda: f"width in pixels (default: the model's; the embedded model makes {_embedded_default('size')} only)"))
     g.add_argument("--guidance", type=float, default=None,
-                   help=lambda: f"classifier-free guidance scale, in [0, 100] (default: the model's; embedded: {_embedded_default('guidance_scale')})")
+                   help=_later(lambda: f"classifier-free guidance scale, in [0, 100] (default: the model's; embedded: {_embedded_default('guidance_scale')})"))
     g.add_argument("--tenant", default="default", help="cache namespace: entries are reused within their tenant only (default: %(default)s)")
     g.add_argument("--out", default="out.mp4", help="output video, .mp4 (H.264) or .gif (default: ./%(default)s)")
     g.add_argument("--fps", type=_int_in(1, 240), default=8, help="frames per second of the output, 1-240 (.gif: 1-50) (default: %(default)s)")
@@ -748,9 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "given here is never emptied)")
     d.add_argument("--policy", choices=POLICIES, default="carnator", help="the policy the stream runs through (default: %(default)s)")
     d.add_argument("--steps", type=int, default=None,
-                   help=lambda: f"denoising steps (default: the model's, {_embedded_default('num_inference_steps')}; the carnator "
+                   help=_later(lambda: f"denoising steps (default: the model's, {_embedded_default('num_inference_steps')}; the carnator "
                                 "policy resumes at the step its thresholds file is certified at, 45 of 50 on the embedded model, scaled to fewer "
-                                "steps)")
+                                "steps)"))
     d.add_argument("--out", default="carnator-demo", help="output folder: clips, demo.json, index.html (default: ./%(default)s)")
     d.add_argument("--keep-cache", action="store_true",
                    help="start from what OUT/cache holds from an earlier run (the demo then says it replays)")
@@ -782,6 +832,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several resume steps, how a tier's reuse recomputes: frame (every token from its step), region "
                         "(the probe's regions, the source kept outside them) or auto (frame for re-rolls and rewordings, region "
                         "for edits; default)")
+    k.add_argument("--tier-quality", action="append", default=[], metavar="KIND:SCORE=DELTA",
+                   help="with several resume steps, a kind of change's own rule: the quality rule with this score added "
+                        "(repeatable; e.g. colour:color=0.05: a colour edit that lost a colour dense shows is unsafe)")
+    k.add_argument("--noise-floor", action="store_true",
+                   help="also generate each target densely at another seed and report how often the rule fails it against "
+                        "dense, per kind (the summary's noise_floor: what a reuse that is merely another sample scores)")
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
     k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",
@@ -895,8 +951,92 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--router", choices=("affinity", "pow2"), default="affinity",
                    help="with --replicas: affinity (default: related prompts go to the replica that produced their recall "
                         "neighbours unless it is busy) or pow2 (Ray Serve's default power-of-two choices, for comparison)")
+    s.add_argument("--audit", type=_fraction, default=0.1, metavar="RATE",
+                   help="share of approximate hits re-run densely on idle device time and judged with the thresholds "
+                        "file's judge and rule, for a live bound per kind of change and tier (docs/SERVING.md); a tier "
+                        "whose audits show it unsafe is disabled. 0: off (default: %(default)s)")
+    s.add_argument("--audit-budget", type=_fraction, default=0.1, metavar="SHARE",
+                   help="most share of device time the audits take (default: %(default)s)")
+    s.add_argument("--audit-judge", default=None, metavar="NAME[=ARG]",
+                   help="the judge the thresholds file was certified by, when it needs an argument (e.g. clip=DIR); "
+                        "default: the one the file names")
     s.set_defaults(func=cmd_serve)
+
+    a = sub.add_parser("audit", help="the live audit of a service's reuse: verdicts and bounds per kind and tier",
+                       description="Report the shadow audits a carnator serve recorded in its job store (jobs.sqlite in "
+                                   "the cache directory, or a postgresql:// --store): per kind of change and tier, the "
+                                   "verdicts, the unsafe among them, the Clopper-Pearson bounds at the thresholds file's "
+                                   "confidence, and whether the tier is disabled. Works offline, on a stopped server's store.")
+    a.add_argument("--cache-dir", default=None, help="the server's cache directory (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
+    a.add_argument("--store", default=None, metavar="postgresql://...", help="the server's shared store (its job table)")
+    a.add_argument("--thresholds", default=None, metavar="PATH",
+                   help="only the verdicts of this thresholds file, with its delta and confidence (default: every file "
+                        "the verdicts were recorded under, each at delta 0.05 / confidence 0.9 unless given)")
+    a.add_argument("--delta", type=_fraction, default=None, help="delta (default: the thresholds file's, else 0.05)")
+    a.add_argument("--confidence", type=_fraction, default=None, help="confidence (default: the file's, else 0.9)")
+    a.add_argument("--verdicts", action="store_true", help="also list every verdict (job, kind, tier, scores)")
+    a.add_argument("--json", action="store_true", help="one JSON object")
+    a.set_defaults(func=cmd_audit)
     return ap
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return v
+
+
+def cmd_audit(args) -> int:
+    from .service.audit import certificate_of, format_report, live_bounds, thresholds_identity, verdicts_to_disable
+
+    try:
+        from .service.server import open_job_store
+    except ImportError as e:
+        raise CarnatorError(f"carnator audit needs the serve extra: pip install 'carnator[serve]' ({e.name} is missing)") from None
+    from .cache import default_cache_dir
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    if not args.store and not (cache_dir / "jobs.sqlite").is_file():
+        raise CarnatorError(f"no job table in {cache_dir} (jobs.sqlite): pass the server's --cache-dir or --store")
+    store = open_job_store(args.store, cache_dir)
+    try:
+        only = thresholds_identity(args.thresholds) if args.thresholds else None
+        rows = store.audit_verdicts(only)
+    finally:
+        store.close()
+    delta, conf = 0.05, 0.9
+    if args.thresholds:
+        cert = certificate_of(args.thresholds)
+        delta, conf = cert.delta, cert.confidence
+    delta = args.delta if args.delta is not None else delta
+    conf = args.confidence if args.confidence is not None else conf
+    reports: list[dict[str, Any]] = []
+    for ident in dict.fromkeys(r["thresholds"] for r in rows) or ([only] if only else []):
+        mine = [r for r in rows if r["thresholds"] == ident]
+        reports.append({"thresholds": ident, "delta": delta, "confidence": conf,
+                        "verdicts_to_disable": verdicts_to_disable(delta, conf),
+                        "tiers": [{**t, "tier": f"{t['step']}/{t['of']}" if t["of"] else str(t["step"])}
+                                  for t in live_bounds(mine, delta, conf)],
+                        **({"verdicts": mine} if args.verdicts else {})})
+    if args.json:
+        print(json.dumps({"reports": reports}, default=str))
+        return 0
+    if not reports:
+        print("no audit verdicts in this job store")
+    for rep in reports:
+        print(f"thresholds {rep['thresholds']}: delta {rep['delta']:g}, confidence {rep['confidence']:g} (all-unsafe "
+              f"verdicts to disable a tier: {rep['verdicts_to_disable']})")
+        for line in format_report(rep):
+            print("  " + line)
+        for v in rep.get("verdicts", []):
+            scores = " ".join(f"{k}={v['scores']['reuse'].get(k)}/{v['scores']['dense'].get(k)}" for k in v["scores"].get("reuse", {}))
+            print(f"    {v['job_id']} {v['kind']} {v['step']}/{v['of']} {'safe' if v['acceptable'] else 'UNSAFE'} "
+                  f"reuse/dense {scores}")
+    return 0
 
 
 def cmd_serve(args) -> int:

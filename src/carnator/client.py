@@ -115,7 +115,8 @@ class Client:
                 if r.status_code >= 400:
                     r.read()
                     raise _error(r)
-                name, data = "message", []
+                name = "message"
+                data: list[str] = []
                 for line in r.iter_lines():
                     if line == "":
                         if data:

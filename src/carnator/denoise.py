@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from .backbones.base import BackboneAdapter, Conditioning
 from .errors import Cancelled
 from .plan import Phase, RegionSpec, ReusePlan
 from .request import Request
+
+if TYPE_CHECKING:
+    from .attention.blockmask import BlockMaskSet
 
 log = logging.getLogger("carnator")
 
@@ -39,7 +43,7 @@ class DenoiseState:
     latents: torch.Tensor
     timesteps: torch.Tensor
     generator: torch.Generator
-    scheduler: object
+    scheduler: Any  # a diffusers scheduler (untyped)
     next_step: int = 0
     trajectory: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> post-scheduler latent (CPU, float32)
     dit_forwards: int = 0
@@ -108,7 +112,7 @@ class Program:
     the latent blend. Built by :meth:`probe` or :meth:`bind`; stateless between requests."""
 
     def __init__(self, *, capture: SparseConfig | None = None, record_step: int | None = None, record: RecordSpec | None = None,
-                 phases: tuple[Phase, ...] = (), masks=None, blend_latents: Mapping[int, torch.Tensor] | None = None,
+                 phases: tuple[Phase, ...] = (), masks: BlockMaskSet | None = None, blend_latents: Mapping[int, torch.Tensor] | None = None,
                  region: "_Region | None" = None):
         self.capture = capture
         self.record_step, self.record = record_step, record
@@ -190,6 +194,7 @@ class Program:
         if p is None or not p.blend:
             return None
         r = self.region
+        assert r is not None and self.blend_latents is not None, "a blend phase comes with its region and latents"
         if not r.ready:
             r.resolve_recorded(state)
         W = r.latent_weight(state.latents)
@@ -210,7 +215,7 @@ class Program:
         return None if self.region is None else self.region.localized
 
 
-def _masks(tensors: Mapping[str, torch.Tensor], prefix: str, n_tokens: int):
+def _masks(tensors: Mapping[str, torch.Tensor], prefix: str, n_tokens: int) -> BlockMaskSet | None:
     from .attention.blockmask import BlockMaskSet
 
     try:
@@ -227,7 +232,7 @@ class _Region:
     def __init__(self, spec: RegionSpec, adapter: BackboneAdapter, req: Request, tensors: Mapping[str, torch.Tensor],
                  window_layers: tuple[float, float] | None, record_at: tuple[int | None, int | None]):
         self.spec, self.adapter = spec, adapter
-        self.grid = tuple(adapter.token_grid(req))
+        self.grid: tuple[int, int, int] = adapter.token_grid(req)
         self.window_layers = window_layers
         self.record_at = record_at  # (step, layer) of the record recorded regions read
         self.tensors = tensors
@@ -249,7 +254,9 @@ class _Region:
         from .reuse import cross_attention_region
 
         rec = self.spec.recorded
-        ev = state.attention.record.evidence.get(self.record_at)
+        assert rec is not None, "only a region of recorded masks resolves them"
+        step, layer = self.record_at
+        ev = None if step is None or layer is None else state.attention.record.evidence.get((step, layer))
         n = int(np.prod(self.grid))
         if ev is not None and ev.cross is not None:
             for positions in rec.positions:

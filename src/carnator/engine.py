@@ -35,16 +35,17 @@ from . import denoise
 from .backbones.base import BackboneAdapter
 from .backbones.registry import adapter_for
 from .cache.keys import content_key
-from .cache.protocol import VIDEO, CacheStore, StoreSpec
-from .errors import CacheError, CarnatorError, GenerationError, InvalidRequestError, ModelLoadError
-from .plan import Decision, DecisionInputs, ReusePlan
+from .cache.protocol import CacheStore
+from .errors import CarnatorError, GenerationError, InvalidRequestError, ModelLoadError
+from .plan import Decision, DecisionInputs
 from .policies import ModelInfo, Policy, get_policy_class, policy_names
-from .request import Request, Result, Stats, to_uint8
-from .stages import probe, read_signature, recall, recall_content
+from .request import CACHE_MODES, Params, Request, Result, Stats, to_uint8
+from .stages.store import first_line
+from .stages import RequestState, decide, exact_hit, plan, probe, read_signature, recall, recall_content, store
 
 log = logging.getLogger("carnator")
 
-CACHE_MODES = ("reuse", "exact", "off")
+__all__ = ["CACHE_MODES", "Carnator", "EngineConfig", "EngineSpec"]
 
 
 @dataclass
@@ -155,9 +156,10 @@ class Carnator:
     >>> res.frames.shape, res.stats.hit
     """
 
-    def __init__(self, pipe, cache_dir: str | os.PathLike | CacheStore | None = None, *, config: EngineConfig | None = None,
-                 embedder=None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None,
-                 thresholds: str | os.PathLike | None = None, model_identity: str | None = None):
+    def __init__(self, pipe: Any, cache_dir: str | os.PathLike | CacheStore | None = None, *, config: EngineConfig | None = None,
+                 embedder: Callable[[str], np.ndarray] | None = None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None,
+                 thresholds: str | os.PathLike | None = None,
+                 model_identity: str | None = None):
         """``cache_dir``: the cache directory (default: ``$CARNATOR_CACHE_DIR`` or ``~/.cache/carnator``) or an open
         :class:`~carnator.cache.CacheStore`. ``embedder``: the recall embedder (default MiniLM). ``nouns``: the noun
         extractor (default: the adapter's, :meth:`~carnator.backbones.base.BackboneAdapter.noun_extractor`).
@@ -219,7 +221,7 @@ class Carnator:
     @classmethod
     def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None,
                         torch_dtype: torch.dtype | None = None, blobs: str | os.PathLike | None = None, dit: bool = True,
-                        **kwargs) -> Carnator:
+                        **kwargs: Any) -> Carnator:
         """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory. ``cache_dir``: a
         directory, ``sqlite:///path`` or a ``postgresql://`` URL (then ``blobs`` says where its blobs live).
 
@@ -252,13 +254,13 @@ class Carnator:
         return cls(pipe, store, **kwargs)
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec, **kwargs) -> Carnator:
+    def from_spec(cls, spec: EngineSpec, **kwargs: Any) -> Carnator:
         """The engine ``spec`` describes (``kwargs``: an ``embedder`` or ``nouns`` that are not data)."""
         return cls.from_pretrained(spec.model, spec.cache_dir, device=spec.device, config=EngineConfig(**spec.config),
                                    blobs=spec.blobs, **kwargs)
 
     @property
-    def embedder(self):
+    def embedder(self) -> Callable[[str], np.ndarray]:
         if self._embedder is None:
             from .embed import default_embedder
 
@@ -334,11 +336,11 @@ class Carnator:
         return denoise.capture_set(self.config.capture_steps, num_steps)
 
     # ---- generation --------------------------------------------------------------------------
-    def resolve(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> Request:
+    def resolve(self, prompt: str, *, seed: int, tenant: str = "default", **request: Any) -> Request:
         """The request ``generate`` would run (every setting filled in and checked)."""
         return self.adapter.resolve(prompt, seed=seed, tenant=tenant, **request)
 
-    def is_cached(self, prompt: str, *, seed: int, tenant: str = "default", **request) -> bool:
+    def is_cached(self, prompt: str, *, seed: int, tenant: str = "default", **request: Any) -> bool:
         """Whether the store holds this exact request (same prompt, seed and settings: ``request`` takes
         :meth:`generate`'s ``negative_prompt``, ``num_inference_steps``, ...), i.e. whether it would be an exact hit."""
         req = self.resolve(prompt, seed=seed, tenant=tenant, **request)
@@ -364,7 +366,8 @@ class Carnator:
         cancel: Callable[[], bool] | None = None,
         events: Callable[[str, dict], None] | None = None,
     ) -> Result:
-        """Generate one video; reuse cached work where ``policy`` finds it safe.
+        """Generate one video; reuse cached work where ``policy`` finds it safe (:meth:`run` of these
+        :class:`~carnator.request.Params`).
 
         ``cache`` says what the request may read from the cache: "reuse" (exact hits and approximate reuse), "exact"
         (exact hits only) or "off" (nothing: the request runs in full as a miss); default: the policy's (``dense``:
@@ -374,173 +377,192 @@ class Carnator:
         :class:`~carnator.errors.Cancelled`, storing nothing); ``events(kind, data)`` at each stage ("decision").
         Returns a :class:`Result` with ``frames`` (uint8, T x H x W x 3) and ``stats``.
         """
+        params = Params(prompt=prompt, seed=seed, policy=policy, negative_prompt=negative_prompt,
+                        num_inference_steps=num_inference_steps, num_frames=num_frames, height=height, width=width,
+                        guidance_scale=guidance_scale, tenant=tenant, cache=cache, store=store)
+        return self.run(params, decision=decision, progress=progress, cancel=cancel, events=events)
+
+    def run(self, params: Params, *, decision: Decision | None = None, progress: Callable[[int, int], None] | None = None,
+            cancel: Callable[[], bool] | None = None, events: Callable[[str, dict], None] | None = None) -> Result:
+        """Generate the video ``params`` asks for (the one entry every caller goes through: :meth:`generate`, the CLI,
+        the service's workers and replicas); the hooks as for :meth:`generate`. The stages, in order: exact ->
+        recall -> probe -> decide -> plan -> denoise -> store (:mod:`carnator.stages`)."""
+        if not isinstance(params, Params):
+            raise TypeError(f"Carnator.run takes a carnator.request.Params, got {type(params).__name__}")
         if not self.dit:
             raise CarnatorError("this engine was built without its transformer (dit=False): it resolves, checks and "
                                 "embeds requests, it does not generate them")
         t_start = time.perf_counter()
-        pol = self.policy(policy)
-        mode = pol.default_cache if cache is None else cache
+        pol = self.policy(params.policy)
+        mode = pol.default_cache if params.cache is None else params.cache
         if mode not in CACHE_MODES:
-            raise InvalidRequestError(f"cache must be one of {', '.join(CACHE_MODES)}, got {cache!r}")
-        req = self.resolve(prompt, seed=seed, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
-                           num_frames=num_frames, height=height, width=width, guidance_scale=guidance_scale, tenant=tenant)
-        stats = Stats(policy=policy)
-        exact_key = req.exact_key(self.cache_identity)
-
+            raise InvalidRequestError(f"cache must be one of {', '.join(CACHE_MODES)}, got {params.cache!r}")
+        req = self.adapter.resolve(params.prompt, seed=params.seed, **params.settings())
+        rs = RequestState(params=params, req=req, policy=pol, mode=mode, exact_key=req.exact_key(self.cache_identity),
+                          stats=Stats(policy=params.policy), t_start=t_start, cancel=cancel)
+        stats = rs.stats
         if mode != "off":
             t0 = time.perf_counter()
-            res = self._exact(req, pol, exact_key, stats)
-            stats.timings["exact_lookup"] = time.perf_counter() - t0
+            res = exact_hit(self.store, req, pol, rs.exact_key, stats)
+            rs.timed("exact_lookup", t0)
             if res is not None:
-                stats.timings["total"] = time.perf_counter() - t_start
+                rs.timed("total", t_start)
                 return res
-        flight = contextlib.nullcontext(False)
-        if mode != "off" and store and self.config.store_video:
-            flight = self.store.single_flight(req.tenant, exact_key)  # the same request elsewhere: wait for its video
+        flight: contextlib.AbstractContextManager[bool] = contextlib.nullcontext(False)
+        if mode != "off" and params.store and self.config.store_video:
+            flight = self.store.single_flight(req.tenant, rs.exact_key)  # the same request elsewhere: wait for its video
         with contextlib.ExitStack() as lease:
             waited = lease.enter_context(flight)
             if waited:
-                res = self._exact(req, pol, exact_key, stats)
+                res = exact_hit(self.store, req, pol, rs.exact_key, stats)
                 if res is not None:
-                    stats.timings["total"] = time.perf_counter() - t_start
+                    rs.timed("total", t_start)
                     return res
             with self._serial or contextlib.nullcontext():
                 # (a write-behind store takes the lease over: the same request elsewhere waits until it is written)
-                return self._run(req, pol, mode, store, exact_key, stats, t_start, decision, progress, cancel, events,
-                                 lease)
+                return self._generate(rs, decision, progress, events, lease)
 
-    def _exact(self, req: Request, pol: Policy, exact_key: str, stats: Stats) -> Result | None:
-        """The exact tier: an identical earlier request's stored video (reading the video only), or None."""
-        meta = self.store.lookup_exact(req.tenant, exact_key)
-        if meta is None or (meta.extra.get("approximate") and not pol.accepts_approximate_exact):
-            return None
-        tensors = self.store.load(meta.id, [VIDEO])
-        if tensors is None:
-            return None
-        self.store.touch(meta.id)
-        stats.hit = stats.exact_hit = True
-        stats.source_id = meta.id
-        stats.resume_step = req.num_inference_steps
-        stats.reason = f"exact repeat of entry {meta.id[:8]}: its stored video"
-        return Result(frames=tensors[VIDEO].numpy(), stats=stats, request=req)
-
-    def _run(self, req: Request, pol: Policy, mode: str, store: bool, exact_key: str, stats: Stats, t_start: float,
-             injected: Decision | None, progress, cancel, events, lease: contextlib.ExitStack | None = None) -> Result:
-        ad, tm = self.adapter, stats.timings
+    def _generate(self, rs: RequestState, injected: Decision | None, progress: Callable[[int, int], None] | None,
+                  events: Callable[[str, dict], None] | None, lease: contextlib.ExitStack | None) -> Result:
+        """A request the exact tier did not serve: encode, recall, probe, decide, plan, denoise, decode, store."""
+        ad, pol, stats = self.adapter, rs.policy, rs.stats
         # (Engines sharing one adapter may differ in their intra-request cache and CUDA graphs: apply this engine's.)
         intra = ad.use_intra_cache(self.intra_cache_spec)
         ad.use_cuda_graphs(self.cuda_graphs)
         if intra is not None:
             intra.start_request()  # diffusers resets hook state at the end of a pipeline call; we drive the loop, so here
-        t0 = time.perf_counter()
-        with self._text_lock:
-            cond = ad.encode(req)
-        state = denoise.start(ad, req)
-        tm["encode"] = time.perf_counter() - t0
-        n = state.num_steps
-        capture = self._capture(n, pol, store)
-        steps_cb = (lambda i: progress(i + 1, n)) if progress else None
-
-        # What the policy needs: nouns, word positions, block-mask capture, recall, the probe.
-        spec = pol.probe_spec()
-        fallback = None
-        needs_attention = spec is not None or pol.needs_attention
-        if needs_attention and not ad.supports_attention:
-            fallback = f"{pol.name} needs attention processors, not yet available for {ad.family}"
-            if pol.name not in self._warned:
-                log.warning("%s: generating densely", fallback)
-                self._warned.add(pol.name)
-        elif spec is not None and n <= spec.steps:
-            fallback = f"{n} steps <= the {spec.steps}-step probe"
-        if needs_attention and fallback is None:
-            ad.ensure_attention()
-        nouns = tuple(self.nouns(req.prompt))
-        content = tuple(self.content(req.prompt))
-        words = pol.words(req.prompt, nouns) if fallback is None else ()
-        with self._text_lock:
-            word_positions = {w: tuple(ad.word_token_positions(req.prompt, w)) for w in words}
-        sparse = None
-        sc = pol.sparse_config() if fallback is None else None
-        grid = tuple(ad.token_grid(req))
-        if sc is not None:
-            sc = sc.for_tokens(int(np.prod(grid)))
-            sparse = sc if sc.applies(state.latents.device) else None
-
-        inputs = DecisionInputs(request=req, num_steps=n, grid=grid, num_layers=ad.num_layers(), nouns=nouns,
-                                word_positions=word_positions, sparse=sparse, reuse=mode == "reuse", content=content)
-        key = self.compat_key(req, pol)
-        embedding: np.ndarray | None = None
-        if mode == "reuse" and fallback is None and pol.recall_k() > 0:
-            t0 = time.perf_counter()
-            by_content = content_key(content) if pol.recall_by_content() else None
-            if by_content is not None and not pol.recall_by_sentence() and hasattr(self.store, "same_content"):
-                # the embedding is computed only to store the entry (on the writer thread with write-behind)
-                found = recall_content(self.store, req.tenant, key, by_content, pol.recall_k())
-            else:
-                embedding = self.embed(req.prompt)
-                found = recall(self.store, req.tenant, key, embedding, pol.recall_k(), content_key=by_content)
-            inputs = dataclasses.replace(inputs, candidates=found)
-            tm["recall"] = time.perf_counter() - t0
-        prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
-        if spec is not None and fallback is None and injected is None and hasattr(pol, "probe_needed") \
-                and not pol.probe_needed(inputs):
-            spec = None  # the probe cannot change this decision: the request runs its steps as dense does
-            stats.notes["probe"] = "skipped"
-
-        if spec is not None and fallback is None:
-            t0 = time.perf_counter()
-            with self._text_lock:
-                positions = {w: tuple(ad.word_token_positions(req.prompt, w, spec.modifiers)) for w in nouns}
-            ev = probe(ad, state, cond, req, spec, positions, capture=capture, sparse=sparse, progress=steps_cb, cancel=cancel)
-            tm["probe"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            sig, regions = read_signature(ad, state, req, ev, spec)
-            tm["signature"] = time.perf_counter() - t0
-            inputs = dataclasses.replace(inputs, signature=sig, regions=regions)
+        self._encode(rs, progress)
+        self._recall(rs, injected)
+        self._probe(rs)
 
         t0 = time.perf_counter()
-        if fallback is not None:
-            dec = Decision.miss(f"generated densely: {fallback}", details={"fallback": "dense", "reason": fallback})
-        elif injected is not None:
-            dec = injected
-        else:
-            dec = pol.decide(inputs)
-        if dec.reuse and dec.certified is not True and not self.config.allow_uncertified:
-            dec = Decision.miss(f"not reused: {dec.reason} (no certified thresholds back it; allow_uncertified is off)",
-                                details={**dec.details, "uncertified": True})
-        tm["decision"] = time.perf_counter() - t0
+        dec = decide(rs, injected=injected, allow_uncertified=self.config.allow_uncertified)
+        rs.timed("decision", t0)
         if events:
             events("decision", {"reuse": dec.reuse, "source_id": dec.source_id, "reason": dec.reason})
 
         t0 = time.perf_counter()
-        plan = pol.plan(dec, inputs)
-        program = self._bind(plan, req, state, prefetched)
-        if program is None:  # the source cannot serve the plan: a miss after all
-            dec = Decision.miss(f"{dec.reason}; but entry {str(plan.source_id)[:8]} cannot serve the reuse (a tensor is "
-                                "missing or damaged)", details=dec.details)
-            plan = pol.plan(dec, inputs)
-            program = self._bind(plan, req, state, None)
-        if plan.hit:
-            tm["plan"] = time.perf_counter() - t0
-        stats.hit, stats.source_id, stats.reason = plan.hit, plan.source_id, dec.reason
-        stats.resume_step = plan.resume_step if plan.hit else None
-        stats.certified = dec.certified if plan.hit else None
+        plan_, program = plan(rs, ad, self.store)
+        dec = rs.decision or dec
+        if plan_.hit:
+            rs.timed("plan", t0)
+        stats.hit, stats.source_id, stats.reason = plan_.hit, plan_.source_id, dec.reason
+        stats.resume_step = plan_.resume_step if plan_.hit else None
+        stats.certified = dec.certified if plan_.hit else None
         stats.notes.update(_notes(dec))
-        if plan.hit and dec.certified is not True and f"uncertified:{pol.name}" not in self._warned:
+        if plan_.hit and dec.certified is not True and f"uncertified:{pol.name}" not in self._warned:
             self._warned.add(f"uncertified:{pol.name}")  # said once per engine and policy; every such hit has certified False
             log.warning("approximate reuse under policy %s rests on uncertified thresholds (%s); its hits are marked "
                         "certified: false. Certify them for this model: carnator calibrate (docs/CALIBRATION.md)",
                         pol.name, getattr(pol, "thresholds_source", "no thresholds file"))
 
+        video, frames = self._denoise(rs, intra)
+
+        if rs.params.store:
+            t0 = time.perf_counter()
+            if self.write_behind:
+                self._write_behind(lease.pop_all() if lease is not None else None, rs, frames)
+            else:
+                self._store(rs, frames)
+            rs.timed("store", t0)
+        if plan_.hit and plan_.source_id is not None:
+            self.store.touch(plan_.source_id)
+        rs.timed("total", rs.t_start)
+        return Result(frames=frames, stats=stats, request=rs.req, video=video)
+
+    # ---- the stages' engine side: what they need of the model, the text lock and the threads ----------------------
+    def _encode(self, rs: RequestState, progress: Callable[[int, int], None] | None) -> None:
+        """The text conditioning, the fresh denoising state, and the captured steps."""
+        t0 = time.perf_counter()
+        with self._text_lock:
+            rs.cond = self.adapter.encode(rs.req)
+        rs.denoise = denoise.start(self.adapter, rs.req)
+        rs.timed("encode", t0)
+        n = rs.state.num_steps
+        rs.capture = self._capture(n, rs.policy, rs.params.store)
+        rs.progress = (lambda i: progress(i + 1, n)) if progress else None
+
+    def _recall(self, rs: RequestState, injected: Decision | None) -> None:
+        """What the policy needs (nouns, word positions, block-mask capture: the :class:`DecisionInputs`), why it runs
+        densely if it must, and the recalled candidates, with a read of the first one's tensors started."""
+        ad, pol, req, state, n = self.adapter, rs.policy, rs.req, rs.state, rs.state.num_steps
+        spec = pol.probe_spec()
+        needs_attention = spec is not None or pol.needs_attention
+        if needs_attention and not ad.supports_attention:
+            rs.fallback = f"{pol.name} needs attention processors, not yet available for {ad.family}"
+            if pol.name not in self._warned:
+                log.warning("%s: generating densely", rs.fallback)
+                self._warned.add(pol.name)
+        elif spec is not None and n <= spec.steps:
+            rs.fallback = f"{n} steps <= the {spec.steps}-step probe"
+        if needs_attention and rs.fallback is None:
+            ad.ensure_attention()
+        nouns = tuple(self.nouns(req.prompt))
+        content = tuple(self.content(req.prompt))
+        words = pol.words(req.prompt, nouns) if rs.fallback is None else ()
+        with self._text_lock:
+            word_positions = {w: tuple(ad.word_token_positions(req.prompt, w)) for w in words}
+        sparse = None
+        sc = pol.sparse_config() if rs.fallback is None else None
+        grid = ad.token_grid(req)
+        if sc is not None:
+            sc = sc.for_tokens(int(np.prod(grid)))
+            sparse = sc if sc.applies(state.latents.device) else None
+        inputs = DecisionInputs(request=req, num_steps=n, grid=grid, num_layers=ad.num_layers(), nouns=nouns,
+                                word_positions=word_positions, sparse=sparse, reuse=rs.mode == "reuse", content=content)
+        rs.compat_key = self.compat_key(req, pol)
+        if rs.mode == "reuse" and rs.fallback is None and pol.recall_k() > 0:
+            t0 = time.perf_counter()
+            by_content = content_key(content) if pol.recall_by_content() else None
+            if by_content is not None and not pol.recall_by_sentence() and hasattr(self.store, "same_content"):
+                # the embedding is computed only to store the entry (on the writer thread with write-behind)
+                found = recall_content(self.store, req.tenant, rs.compat_key, by_content, pol.recall_k())
+            else:
+                rs.embedding = self.embed(req.prompt)
+                found = recall(self.store, req.tenant, rs.compat_key, rs.embedding, pol.recall_k(), content_key=by_content)
+            inputs = dataclasses.replace(inputs, candidates=found)
+            rs.timed("recall", t0)
+        rs.inputs = inputs
+        rs.prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
+        if spec is not None and rs.fallback is None and injected is None and hasattr(pol, "probe_needed") \
+                and not pol.probe_needed(inputs):
+            spec = None  # the probe cannot change this decision: the request runs its steps as dense does
+            rs.stats.notes["probe"] = "skipped"
+        rs.spec = spec if rs.fallback is None else None
+
+    def _probe(self, rs: RequestState) -> None:
+        """The policy's dense probe and the signature read from it, into the inputs (none when it needs none)."""
+        spec, ad, req = rs.spec, self.adapter, rs.req
+        if spec is None:
+            return
+        assert rs.cond is not None
+        t0 = time.perf_counter()
+        with self._text_lock:
+            positions = {w: tuple(ad.word_token_positions(req.prompt, w, spec.modifiers)) for w in rs.decision_inputs.nouns}
+        ev = probe(ad, rs.state, rs.cond, req, spec, positions, capture=rs.capture, sparse=rs.decision_inputs.sparse,
+                   progress=rs.progress, cancel=rs.cancel)
+        rs.timed("probe", t0)
+        t0 = time.perf_counter()
+        sig, regions = read_signature(ad, rs.state, req, ev, spec)
+        rs.timed("signature", t0)
+        rs.inputs = dataclasses.replace(rs.decision_inputs, signature=sig, regions=regions)
+
+    def _denoise(self, rs: RequestState, intra: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The plan's steps (the program bound to the source), then the decode: (float video, uint8 frames)."""
+        ad, state, stats, tm = self.adapter, rs.state, rs.stats, rs.stats.timings
+        program, plan_, cond = rs.program, rs.plan, rs.cond
+        assert program is not None and plan_ is not None and cond is not None, "plan runs first"
+        n = state.num_steps
         dit_before = state.dit_seconds
-        denoise.run_steps(ad, state, cond, req, program=program, capture=capture, progress=steps_cb, cancel=cancel)
+        denoise.run_steps(ad, state, cond, rs.req, program=program, capture=rs.capture, progress=rs.progress,
+                          cancel=rs.cancel)
         tm["dit"] = state.dit_seconds
         tm["dit_after_plan"] = state.dit_seconds - dit_before
         stats.dit_forwards = state.dit_forwards
         stats.dense_forwards = n * (2 if cond.do_cfg else 1)
         stats.active_fraction = program.active_fraction
         stats.mask_density = program.mask_density
-        if program.localized is not None and plan.region is not None and plan.region.recorded is not None:
+        if program.localized is not None and plan_.region is not None and plan_.region.recorded is not None:
             stats.notes["localized"] = bool(program.localized)
         if intra is not None:
             stats.notes["intra_cache"] = intra.summary()
@@ -548,34 +570,25 @@ class Carnator:
         if not bool(torch.isfinite(state.latents).all()):
             raise GenerationError("the model produced non-finite values (NaN or inf) for this request; nothing was stored "
                                   "(try a smaller guidance_scale)")
-
         t0 = time.perf_counter()
         with ad.vae_lock:
-            video = ad.decode(state.latents, req)
+            video = ad.decode(state.latents, rs.req)
         frames = to_uint8(video)
-        tm["decode"] = time.perf_counter() - t0
+        rs.timed("decode", t0)
+        return video, frames
 
-        if store:
-            t0 = time.perf_counter()
-            if self.write_behind:
-                self._write_behind(lease.pop_all() if lease is not None else None, stats,
-                                   (req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats))
-            else:
-                self._store(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
-            tm["store"] = time.perf_counter() - t0
-        if plan.hit and plan.source_id is not None:
-            self.store.touch(plan.source_id)
-        tm["total"] = time.perf_counter() - t_start
-        return Result(frames=frames, stats=stats, request=req, video=video)
+    def _store(self, rs: RequestState, frames: np.ndarray) -> None:
+        store(rs, frames, cache=self.store, embed=self.embed, judge=self._judge, admission_rule=self.config.admission_rule,
+              latent_dtype=self.config.latent_dtype, store_video=self.config.store_video)
 
-    def _write_behind(self, release: contextlib.ExitStack | None, stats: Stats, store_args: tuple) -> None:
-        """Queue :meth:`_store` of a finished request (``store_args``) on the writer thread; ``release`` (the request's
+    def _write_behind(self, release: contextlib.ExitStack | None, rs: RequestState, frames: np.ndarray) -> None:
+        """Queue :meth:`_store` of a finished request on the writer thread; ``release`` (the request's
         single-flight lease) is closed when the write ends. At most :data:`MAX_PENDING_WRITES` writes wait: each holds its request's latents,
         so a writer that falls behind makes the next request wait instead of memory growing."""
 
         def write() -> None:
             try:
-                self._store(*store_args)
+                self._store(rs, frames)
             finally:
                 if release is not None:
                     release.close()
@@ -590,7 +603,7 @@ class Carnator:
         fut = self._writer.submit(write)
         fut.add_done_callback(_log_write_error)
         with self._lock:
-            self._pending.append((stats, fut))
+            self._pending.append((rs.stats, fut))
 
     def flush(self, result: Result | None = None) -> None:
         """Wait until the write-behind stores (``EngineConfig.write_behind``) have ended: ``result``'s own (its
@@ -601,7 +614,7 @@ class Carnator:
         with self._lock:
             self._pending = [(s, f) for s, f in self._pending if not f.done()]
 
-    def _prefetch(self, what) -> tuple[str, Future] | None:
+    def _prefetch(self, what: tuple[str, list[str] | None] | None) -> tuple[str, Future] | None:
         """Read a candidate's tensors in a background thread while the probe runs."""
         if what is None:
             return None
@@ -611,92 +624,11 @@ class Carnator:
                 self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carnator-prefetch")
         return entry_id, self._loader.submit(self._load_quietly, entry_id, names)
 
-    def _load_quietly(self, entry_id: str, names):
+    def _load_quietly(self, entry_id: str, names: list[str] | None) -> dict[str, torch.Tensor] | None:
         try:
             return self.store.load(entry_id, names)
         except KeyError:  # names the entry never had: read what it has
             return self.store.load(entry_id)
-
-    def _bind(self, plan: ReusePlan, req: Request, state: denoise.DenoiseState, prefetched) -> denoise.Program | None:
-        """``plan`` bound to the source tensors it reads; None when the source cannot serve it."""
-        tensors: dict[str, torch.Tensor] = {}
-        if plan.hit and plan.source_id is not None:
-            got = None
-            if prefetched is not None and prefetched[0] == plan.source_id:
-                got = prefetched[1].result()  # the store's own errors surface here as they would from load()
-            if got is None or not all(k in got for k in plan.source_tensors()):
-                got = self._load_source(plan)
-            if got is None:
-                return None
-            tensors = got
-        program = denoise.Program.bind(plan, self.adapter, req, state, tensors)
-        if program is not None and plan.hit and plan.init_latent is not None:
-            start = tensors[plan.init_latent]
-            if plan.own_sample > 0 and plan.clean_latent is not None and tensors.get(plan.clean_latent) is not None:
-                start = denoise.own_sample_latent(self.adapter, state, req, start, tensors[plan.clean_latent],
-                                                  plan.resume_step, plan.own_sample)
-            denoise.resume(self.adapter, state, start, plan.resume_step)
-        return program
-
-    def _load_source(self, plan: ReusePlan) -> dict[str, torch.Tensor] | None:
-        meta = self.store.get(plan.source_id)
-        if meta is None:
-            return None
-        have = set(getattr(meta, "tensor_names", ()) or ())
-        names = [k for k in plan.source_tensors() if k in have]
-        if plan.mask_prefix is not None:
-            names += [k for k in have if k.startswith(plan.mask_prefix)]
-        return self.store.load(plan.source_id, names)
-
-    def _store(self, req: Request, pol: Policy, inputs: DecisionInputs, plan: ReusePlan, state: denoise.DenoiseState,
-               frames: np.ndarray, key: str, exact_key: str, embedding: np.ndarray | None, stats: Stats) -> None:
-        """Embed the prompt for recall (unless recall already did) and admit the entry; ``stats.entry_id`` its id. A
-        failing embedder costs the entry, not the video (as a failing store does)."""
-        if embedding is None:
-            try:
-                embedding = self.embed(req.prompt)
-            except Exception as e:  # noqa: BLE001 - the user's embedder: whatever it raises, the video is made
-                log.warning("could not store the result in the cache: the recall embedder failed: %s", _first_line(e))
-                stats.notes["store_error"] = f"the recall embedder failed: {_first_line(e)}"
-                return
-        stats.entry_id = self._admit(req, pol, inputs, plan, state, frames, key, exact_key, embedding, stats)
-
-    def _admit(self, req: Request, pol: Policy, inputs: DecisionInputs, plan: ReusePlan, state: denoise.DenoiseState,
-               frames: np.ndarray, key: str, exact_key: str, embedding: np.ndarray, stats: Stats) -> str | None:
-        """Store the request's trajectory, video and the policy's entry; a cache that cannot take it costs the entry,
-        not the video. With an admission judge, its scores of the output and whether they pass ``admission_rule`` go
-        into the entry (``quality``, ``admitted``)."""
-        quality: dict[str, Any] = {}
-        if self._judge is not None:
-            t0 = time.perf_counter()
-            scores = self._judge.score(frames, req.prompt)
-            ok = True
-            for k, bar in self.config.admission_rule.items():
-                v = float(scores.get(k, float("nan")))
-                ok = ok and (v >= bar if self._judge.directions[k] > 0 else v <= bar)  # NaN fails
-            quality = {"quality": {k: float(v) for k, v in scores.items()}, "admitted": bool(ok)}
-            stats.timings["admission_judge"] = time.perf_counter() - t0
-            stats.notes["admitted"] = bool(ok)
-        dtype = getattr(torch, self.config.latent_dtype)
-        tensors: dict[str, torch.Tensor] = {f"traj.{i}": z.to(dtype) for i, z in state.trajectory.items()}
-        entry = pol.entry(inputs, plan, state.attention.record)
-        tensors.update(entry.tensors)
-        # "approximate": the video came from reuse, not from every step of this request's own trajectory.
-        extra = {"steps": req.num_inference_steps, "approximate": bool(plan.hit), "nouns": list(inputs.nouns),
-                 "content": None if inputs.content is None else list(inputs.content), **quality, **entry.extra}
-        try:
-            return self.store.admit(StoreSpec(
-                tenant=req.tenant, compat_key=key, exact_key=exact_key if self.config.store_video else None,
-                prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed,
-                steps_saved=float(req.num_inference_steps), embedding=embedding, tensors=tensors, extra=extra,
-                # found by content only where its own trajectory is whole (a reuse's begins at its resume step)
-                content_key=None if plan.hit or inputs.content is None else content_key(inputs.content),
-                video=np.ascontiguousarray(frames) if self.config.store_video else None,
-            ))
-        except (CacheError, OSError) as e:  # unwritable or full disk, locked database, another embedder's cache
-            log.warning("could not store the result in the cache: %s", _first_line(e))
-            stats.notes["store_error"] = _first_line(e)
-            return None
 
 
 def _notes(dec: Decision) -> dict[str, Any]:
@@ -759,7 +691,8 @@ def _pipeline_class(model: str | os.PathLike) -> str:
     return class_name
 
 
-def _open_store(cache_dir, config: EngineConfig, blobs=None) -> CacheStore:
+def _open_store(cache_dir: str | os.PathLike | CacheStore | None, config: EngineConfig,
+                blobs: str | os.PathLike | None = None) -> CacheStore:
     from .cache import open_store
 
     if cache_dir is None or isinstance(cache_dir, (str, os.PathLike)):
@@ -785,9 +718,7 @@ def _check_device(device: str) -> None:
             raise ModelLoadError(f"device {device!r} is not available here ({count} CUDA device(s))")
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+_first_line = first_line
 
 
 #: write-behind stores that may wait at once (:meth:`Carnator._write_behind`)

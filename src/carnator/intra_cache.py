@@ -497,7 +497,7 @@ class IntraCache:
     # -- per forward --
     def before_forward(self, branch: str, step: int, t: torch.Tensor | float, req, do_cfg: bool, recording: bool, window: tuple | None) -> None:
         """Reset (or rebuild) the hook state where the computation it caches starts anew; note the timestep."""
-        self._t = float(t.flatten()[0]) if torch.is_tensor(t) else float(t)
+        self._t = float(t.flatten()[0]) if isinstance(t, torch.Tensor) else float(t)
         sig = (req.num_inference_steps, do_cfg, window)
         if self._pending or sig != self._sig or (recording and self._reset_step != step):
             self._start_segment(step, req, do_cfg, sig)

@@ -12,18 +12,69 @@ import logging
 import math
 import numbers
 import re
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .backbones.base import GenerationDefaults
 
 log = logging.getLogger("carnator")
 
 #: the seeds ``torch.Generator.manual_seed`` takes without aliasing, and the cache's SQLite INTEGER holds (signed 64-bit)
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
+
+
+#: what a request may read from the cache: "reuse" (exact hits and approximate reuse), "exact" (exact hits only), "off"
+CACHE_MODES = ("reuse", "exact", "off")
+
+
+@dataclass(frozen=True)
+class Params:
+    """What one generation asks, as its caller gave it: built once at each edge (``Carnator.generate``'s keywords,
+    the CLI's flags, the HTTP body, a job read back from the job table) and handed on as itself through every hop
+    (worker, Ray replica, engine). Unset settings (None) take the model's defaults when the engine resolves it into a
+    :class:`Request`; ``cache`` None takes the policy's. JSON-able: :meth:`to_dict` / :meth:`from_dict`."""
+
+    prompt: str
+    seed: int
+    policy: str = "carnator"
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = None
+    num_frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    guidance_scale: float | None = None
+    tenant: str = "default"
+    #: what the request may read from the cache (:data:`CACHE_MODES`; None: the policy's default)
+    cache: str | None = None
+    #: whether the result is kept in the cache for later requests
+    store: bool = True
+
+    def settings(self) -> dict[str, Any]:
+        """The keywords of ``adapter.resolve`` beside the prompt and seed (each None: the model's default)."""
+        return {"negative_prompt": self.negative_prompt, "num_inference_steps": self.num_inference_steps,
+                "num_frames": self.num_frames, "height": self.height, "width": self.width,
+                "guidance_scale": self.guidance_scale, "tenant": self.tenant}
+
+    def to_dict(self, *, tenant: bool = True) -> dict[str, Any]:
+        """The fields as JSON-able plain data (``tenant=False``: without the tenant, which a job row keeps apart)."""
+        d = asdict(self)
+        if not tenant:
+            del d["tenant"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], **override: Any) -> Params:
+        """The parameters ``d`` holds (:meth:`to_dict`'s keys; keys of no field are left out, so a row written by a
+        later version still reads), with ``override`` on top."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in d.items() if k in names}, **override})
 
 
 @dataclass(frozen=True)
@@ -139,15 +190,15 @@ class RequestLimits:
     seed_max: int = SEED_MAX
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _type_name(v) -> str:
+def _type_name(v: object) -> str:
     return type(v).__name__
 
 
-def _check_text(name: str, text, limits: RequestLimits, *, label: str) -> str:
+def _check_text(name: str, text: object, limits: RequestLimits, *, label: str) -> str:
     """``text`` as the model will read it: a string of valid Unicode within ``max_prompt_chars``, cut to what the text
     encoder reads (with a warning)."""
     if not isinstance(text, str):
@@ -217,7 +268,7 @@ def truncate_to_tokens(text: str, max_tokens: int, count: Callable[[str], int], 
 
 
 def resolve_request(
-    defaults,
+    defaults: GenerationDefaults,
     limits: RequestLimits,
     prompt: str,
     *,

@@ -207,6 +207,8 @@ def block_token_index(blocks_keep: torch.Tensor, block: int, n: int) -> torch.Te
     ``restrict(..., compact=True)`` applies to the gathered tokens unchanged.
     """
     keep = _as_keep(blocks_keep, num_blocks(n, block), "blocks_keep")
+    if keep is None:
+        return torch.arange(n)
     tok = torch.arange(n, device=keep.device)
     return tok[keep[tok // block]]
 

@@ -208,7 +208,7 @@ def masked_attention(
     b, h, nq_tok, _ = q.shape
     nk_tok = k.shape[2]
     prepared = block_mask if isinstance(block_mask, BlockTable) else None
-    table = block_mask.table if prepared is not None else block_mask
+    table: torch.Tensor = block_mask.table if isinstance(block_mask, BlockTable) else block_mask
     bm = _broadcast_mask(table.to(q.device), b, h, num_blocks(nq_tok, block), num_blocks(nk_tok, block))
     if backend == "auto":
         backend = "sdpa"
@@ -252,7 +252,7 @@ def _sdpa_masked(q, k, v, bm, block, scale, chunk, n_extra: int = 0, prepared: B
     out = q.new_empty(b, h, nq_tok, v.shape[-1])
     for start in range(0, nq_tok, chunk):
         stop = min(start + chunk, nq_tok)
-        if kept:  # SDPA on the CPU runs ~20 % faster with a float mask than with a bool one
+        if kept and prepared is not None:  # SDPA on the CPU runs ~20 % faster with a float mask than with a bool one
             mask, has, keyless = prepared.elements((block, nq_tok, nk_tok, n_extra, q.dtype),
                                                    lambda: _additive(*_element_mask(bm, block, 0, nq_tok, nk_tok, n_extra), q))
         else:
@@ -262,7 +262,8 @@ def _sdpa_masked(q, k, v, bm, block, scale, chunk, n_extra: int = 0, prepared: B
     return out
 
 
-def _element_mask(bm, block, start, stop, nk_tok, n_extra):
+def _element_mask(bm: torch.Tensor, block: int, start: int, stop: int, nk_tok: int,
+                  n_extra: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``(mask, has, keyless)`` of query rows start..stop: the bool element mask (the block rows repeated block
     times - repeat_interleave is ~40x faster on the CPU than gathering with a token -> block index - cut to the
     rows and to Nk, then ``n_extra`` always-allowed keys), whether each row has a key, and whether any has none."""
@@ -278,7 +279,7 @@ def _element_mask(bm, block, start, stop, nk_tok, n_extra):
     return mask, has, keyless
 
 
-def _additive(mask, has, keyless, q):
+def _additive(mask: torch.Tensor, has: torch.Tensor, keyless: bool, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The bool element mask as an additive one of q's dtype and device (0 allowed, -inf not)."""
     return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf")), has, keyless
 
@@ -394,7 +395,7 @@ def check_flex_against_sdpa(
             if density >= 1.0:
                 bm[:] = True
             ref = _sdpa_masked(q.float(), k.float(), v.float(), bm, block, None, None)
-            row = {"dtype": str(dtype).removeprefix("torch."), "density": float(bm.float().mean())}
+            row: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "density": float(bm.float().mean())}
             for full in (True, False):
                 out = _flex_attention(q, k, v, bm, block, None, full_blocks=full).float()
                 name = "full" if full else "partial"

@@ -11,7 +11,7 @@ unmodified attention. Nothing here knows a model family.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -99,8 +99,10 @@ class EvidenceRecord:
     lse: torch.Tensor | None = None
     scale: float = 1.0
 
-    def self_attention_columns(self, cols) -> torch.Tensor:
+    def self_attention_columns(self, cols: Iterable[int]) -> torch.Tensor:
         """A_h[i, u] for u in ``cols``: (heads, N, len(cols)), float32, without building N x N."""
+        if self.q is None or self.k is None or self.lse is None:
+            raise ValueError("this record holds no self-attention (its layer was recorded without it)")
         idx = torch.as_tensor(list(cols), dtype=torch.long, device=self.k.device)
         logits = torch.einsum("hnd,hmd->hnm", self.q.float(), self.k[:, idx].float()) * self.scale
         return torch.exp(logits - self.lse[..., None])
@@ -212,8 +214,9 @@ class AttentionSession:
         tables, for Wan2.1-1.3B at 480p 13.4 MB per (layer, branch) with the BlockMask (0.8 GB for 30 layers x 2
         branches).
         """
-        keys = tuple(masks.nearest(step, br, layer) for br in branches)
-        if any(k is None for k in keys):
+        found = [masks.nearest(step, br, layer) for br in branches]
+        keys = tuple(k for k in found if k is not None)
+        if len(keys) < len(found):
             return None
         if masks is not self._masks:
             self._masks, self._device_masks, self._tables, self._tables_step = masks, None, {}, None
@@ -261,10 +264,11 @@ class StepAttention:
     @property
     def evidence(self) -> EvidenceRecord | None:
         """The record of the layer now recording (the processors call :meth:`recording` first)."""
-        return self.session.record.evidence.get((self.step, self._layer))
+        return None if self._layer is None else self.session.record.evidence.get((self.step, self._layer))
 
     @evidence.setter
     def evidence(self, value: EvidenceRecord) -> None:
+        assert self._layer is not None, "recording() names the layer first"
         self.session.record.evidence[(self.step, self._layer)] = value
 
     def fit_rows(self, batch: int) -> None:
@@ -287,6 +291,7 @@ class StepAttention:
     def capture(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         """Record the top-p block mask of every batch row; q, k: (B, H, N, d)."""
         s = self.plan.capture
+        assert s is not None, "capturing() said yes"
         exact = s.mass == "exact" or (s.mass == "auto" and max(q.shape[2], k.shape[2]) <= s.exact_max_tokens)
         mass = (exact_block_mass if exact else estimate_block_mass)(q, k, s.block)
         mask = topp_block_mask(mass, s.p)

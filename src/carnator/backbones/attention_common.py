@@ -27,9 +27,10 @@ def _lse_chunked(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int) -> 
 
 def evidence_record(ctrl: StepAttention, scale: float) -> EvidenceRecord:
     """The request's record, created at the first recording call of the probe forward."""
-    if ctrl.evidence is None:
-        ctrl.evidence = EvidenceRecord(positions=list(ctrl.record_positions), scale=scale)
-    return ctrl.evidence
+    rec = ctrl.evidence
+    if rec is None:
+        rec = ctrl.evidence = EvidenceRecord(positions=list(ctrl.record_positions), scale=scale)
+    return rec
 
 
 def record_cross(ctrl: StepAttention, q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | None = None) -> None:
@@ -113,6 +114,7 @@ def joint_attention(
         return (out[:, :, n_txt:], out[:, :, :n_txt]) if text_first else (out[:, :, : qv.shape[2]], out[:, :, qv.shape[2]:])
     out_t = F.scaled_dot_product_attention(qt, k, v, attn_mask=key_mask)  # text queries: every valid key, as the model
     if bias is None:  # video queries: the allowed video key blocks and every valid text key
+        assert bm is not None and ctrl.masks is not None  # (no mask and no bias returned above)
         blk = ctrl.masks.block
         if text_valid is None:
             out_v = masked_attention(qv, kv, vv, bm, block=blk, extra_k=kt, extra_v=vt)
@@ -129,6 +131,7 @@ def joint_attention(
     if key_mask is not None:
         logit = logit.masked_fill(~key_mask, float("-inf"))
     if bm is not None:
+        assert ctrl.masks is not None  # a block table comes from the step's masks
         blk = ctrl.masks.block
         qi = torch.arange(qv.shape[2], device=qv.device) // blk
         ki = torch.arange(n_kv, device=qv.device) // blk

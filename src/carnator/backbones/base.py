@@ -188,7 +188,8 @@ class BackboneAdapter(ABC):
         latents laid out (B, C, T, H, W); families with another layout override it."""
         from ..reuse import upsample_tokens
 
-        patch = tuple(int(a // b) for a, b in zip(latents.shape[2:], weight.shape))
+        t, h, w = (int(a // b) for a, b in zip(latents.shape[2:], weight.shape))
+        patch = (t, h, w)
         return torch.from_numpy(upsample_tokens(weight, patch).astype(np.float32))[None, None].to(latents.device)
 
     def decode_tail(self, latents: torch.Tensor, req: Request) -> np.ndarray:

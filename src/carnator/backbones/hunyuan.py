@@ -155,7 +155,7 @@ class HunyuanVideoAdapter(BackboneAdapter):
     def encode(self, req: Request) -> Conditioning:
         do_cfg = self.true_cfg_scale > 1 and req.negative_prompt is not None
         with torch.no_grad():
-            data = {"cond": self._encode_one(req.prompt), "uncond": self._encode_one(req.negative_prompt) if do_cfg else None}
+            data = {"cond": self._encode_one(req.prompt), "uncond": self._encode_one(req.negative_prompt) if req.negative_prompt is not None and do_cfg else None}
         return Conditioning(data=data, do_cfg=do_cfg)
 
     # latents and schedule -------------------------------------------------------------------------

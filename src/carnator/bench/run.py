@@ -54,8 +54,8 @@ def run_bench(engine_factory, trace: Trace, policies: list[str], out: Path, *, j
     trace.save(out / "trace.json")
     log_path = out / "requests.jsonl"
     kw = dict(settings or {})
-    dense_frames: dict[int, object] = {}  # dense's clip of each test request: the reference of reference scores
-    done: dict[tuple[str, int], dict] = {}
+    dense_frames: dict[int, np.ndarray] = {}  # dense's clip of each test request: the reference of reference scores
+    done: dict[tuple[str, int | str], dict] = {}
     if log_path.exists():
         for line in log_path.read_text().splitlines():
             r = json.loads(line)

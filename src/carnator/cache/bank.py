@@ -136,6 +136,9 @@ class CacheBank(StorePolicy):
             read-only and holds no cache.
     """
 
+    _db: MetaDB  # (the store policy's hooks, as this store fills them)
+    _blobs: LocalBlobStore
+
     def __init__(
         self,
         root: str | os.PathLike[str],

@@ -123,6 +123,10 @@ class MetaQueries:
     def _bytes_changed(self, conn: Any, n: int) -> None:
         """A store that keeps its byte total in a row adds ``n`` to it (inside the write)."""
 
+    def sync_state(self, conn: Any) -> SyncState:
+        """The counters a process's vector indices compare before every search (each store keeps them its way)."""
+        raise NotImplementedError
+
     # -- meta and settings -----------------------------------------------------------------------
 
     def get_meta(self, key: str, conn: Any = None) -> str | None:
@@ -438,7 +442,7 @@ class MetaDB(MetaQueries):
         mode = tenacity.Retrying(
             retry=tenacity.retry_if_result(lambda got: got != "wal"), stop=tenacity.stop_after_delay(self.busy_timeout_s),
             wait=tenacity.wait_exponential(multiplier=0.005, max=0.2),
-            retry_error_callback=lambda state: state.outcome.result())(convert)
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome is not None else None)(convert)
         if mode != "wal":
             raise CacheError(f"cache database {self.path} cannot use WAL mode (got {mode!r}; another process holds it)")
 

@@ -51,6 +51,8 @@ class LocalPostgres:
         self._bindir = pg_bindir()
 
     def _run(self, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        if self._bindir is None:
+            raise CacheError("PostgreSQL's programs (initdb, pg_ctl) were not found: install postgresql or set PG_BIN")
         full = [str(self._bindir / cmd[0]), *cmd[1:]]
         if self._user:
             full = ["runuser", "-u", self._user, "--", *full]

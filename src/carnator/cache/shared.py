@@ -355,7 +355,8 @@ class SharedStore(StorePolicy):
         order = _SQL_ORDER.get(settings.eviction)
         if order is not None and type(get_eviction(settings.eviction)) is _BUILTIN[settings.eviction]:
             # The built-in policies' order, computed by PostgreSQL: read victims a batch at a time instead of every row.
-            chosen, freed, offset = [], 0, 0
+            chosen: list[str] = []
+            freed, offset = 0, 0
             while True:
                 rows = c.execute(f"SELECT id, nbytes FROM entries ORDER BY {order} LIMIT 256 OFFSET %s", (offset,)).fetchall()
                 if not rows:

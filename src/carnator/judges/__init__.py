@@ -80,7 +80,7 @@ class QualityRule:
 
     def acceptable(self, reuse: Mapping[str, Any], dense: Mapping[str, Any]):
         """The rule on one reuse (floats -> bool) or elementwise on arrays (-> bool array)."""
-        ok = True
+        ok: bool | np.ndarray = True
         for k, delta in self.deltas.items():
             r, d = np.asarray(reuse[k], dtype=float), np.asarray(dense[k], dtype=float)
             fine = (r >= d - delta) if self.directions[k] > 0 else (r <= d + delta)
@@ -132,7 +132,7 @@ def get_judge(spec: str, *, device: str | None = None) -> Judge:
     """The judge named by ``spec`` ("NAME" or "NAME=ARG"); CarnatorError naming the ones available otherwise.
     ``device``: where a model-based judge runs (passed to factories that take a ``device`` keyword)."""
     name, _, arg = str(spec).partition("=")
-    factory = _JUDGES.get(name)
+    factory: Callable[..., Judge] | None = _JUDGES.get(name)
     if factory is None:
         ep = _entry_points().get(name)
         if ep is None:

@@ -42,7 +42,8 @@ class Entry:
 class Policy(ABC):
     """Decides, per request, whether and how to reuse cached work."""
 
-    name: ClassVar[str]
+    #: the registry name (a class attribute; an instance may carry its own: engine.use_policy)
+    name: str
     #: whether an identical earlier request's stored video may be returned when that video was itself
     #: produced by reuse (an approximation of the dense result). The dense baseline says no.
     accepts_approximate_exact: ClassVar[bool] = True

@@ -27,7 +27,8 @@ class TextGate:
     min_similarity: float = 0.65
 
     def nearest(self, candidates: tuple[Candidate, ...]) -> Candidate | None:
-        if not candidates or candidates[0].similarity < self.min_similarity:
+        sim = candidates[0].similarity if candidates else None
+        if sim is None or sim < self.min_similarity:  # (recall by content measures no similarity: no gate passes)
             return None
         return candidates[0]
 
@@ -70,6 +71,7 @@ class NirvanaPolicy(Policy):
         if near is None:
             return self.gate.miss(inputs.candidates)
         n = inputs.num_steps
+        assert near.similarity is not None  # the gate passes only a measured similarity
         k = nirvana_resume_step(near.similarity, n)
         if k is None or k >= n:
             return Decision.miss(f"similarity {near.similarity:.3f} picks no resume step inside the {n} steps",
@@ -82,6 +84,8 @@ class NirvanaPolicy(Policy):
         if not decision.reuse:
             return ReusePlan()
         k = decision.resume_step
+        if k is None:
+            raise ValueError("a NIRVANA reuse decision names its resume step")
         return ReusePlan(hit=True, source_id=decision.source_id, resume_step=k, init_latent=f"traj.{k - 1}")
 
     def stored_steps(self, num_steps: int) -> set[int]:

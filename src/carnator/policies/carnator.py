@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,7 +128,8 @@ class CarnatorConfig:
             raise ValueError(f"CarnatorConfig.probe_steps must be >= 1, got {self.probe_steps}")
         if self.resume_step is not None and (not isinstance(self.resume_step, int) or self.resume_step < 1):
             raise ValueError(f"CarnatorConfig.resume_step must be an integer >= 1 or None, got {self.resume_step!r}")
-        self.window = tuple(self.window)
+        lo, hi = self.window
+        self.window = (float(lo), float(hi))
         # Nested settings may come as plain dicts (EngineConfig.policy_options read from JSON or a CLI).
         for name, klass in (("sparse", SparseConfig), ("region", RegionConfig), ("scope", ScopeConfig), ("compat", CompatConfig)):
             value = getattr(self, name)
@@ -138,7 +142,7 @@ class CarnatorPolicy(Policy):
     name = "carnator"
     needs_attention = True
 
-    def __init__(self, config: CarnatorConfig | None = None, **overrides):
+    def __init__(self, config: CarnatorConfig | None = None, **overrides: Any) -> None:
         self.cfg = config or CarnatorConfig(**overrides)
         self.tau: Thresholds = Thresholds()
         #: whether ``tau`` was certified (``carnator calibrate``) for this model and reading
@@ -148,6 +152,11 @@ class CarnatorPolicy(Policy):
         self.certified_resume: dict | None = None
         #: the file's certified risk tiers by kind of change ({}: no tiers, the thresholds decide)
         self.tiers: dict[str, Tier] = {}
+        #: the thresholds file loaded (None: the paper's thresholds)
+        self.thresholds_path: Path | None = None
+        #: (kind of change, step) pairs this policy does not reuse by, whatever its thresholds certify: plain data an
+        #: operator's live audit sets (:meth:`disable`); step as :meth:`audit_tier` names it
+        self.disabled_tiers: frozenset[tuple[str, int]] = frozenset()
         if self.cfg.thresholds is not None and not Path(self.cfg.thresholds).is_file():
             raise CarnatorError(f"thresholds file {self.cfg.thresholds} does not exist")
 
@@ -162,9 +171,9 @@ class CarnatorPolicy(Policy):
         the embedded model, else the paper's."""
         self.certified_resume = None
         self.tiers = {}
-        path = self.cfg.thresholds
-        if path is not None:
-            self._load(path, model)
+        self.thresholds_path = None
+        if self.cfg.thresholds is not None:
+            self._load(self.cfg.thresholds, model)
             return
         if model.family == "embedded" and SHIPPED_THRESHOLDS.exists():
             path = SHIPPED_THRESHOLDS
@@ -193,8 +202,9 @@ class CarnatorPolicy(Policy):
                 return needs
         return None
 
-    def _load(self, path, model: ModelInfo) -> None:
+    def _load(self, path: str | os.PathLike[str], model: ModelInfo) -> None:
         self.tau = Thresholds.load(path, model_id=model.identity, reading=self.reading(), judge=self.cfg.judge)
+        self.thresholds_path = Path(path)
         meta = Thresholds.file_meta(path)
         self.certified = bool(meta.get("certified"))
         self.tiers = {t.kind: t for t in self.tau.tiers if t.certified}
@@ -207,7 +217,8 @@ class CarnatorPolicy(Policy):
             self.certified = False
             why = f"; certified only with the admission gate {needs}, which this engine does not apply"
             log.warning("thresholds %s%s", path, why)
-        steps = None if self.certified_resume is None else self.certified_resume.get("certified_steps", [self.certified_resume["step"]])
+        resume_meta = self.certified_resume
+        steps = None if resume_meta is None else resume_meta.get("certified_steps", [resume_meta["step"]])
         if self.certified and self.cfg.resume_step is not None and self.tiers:
             # A tier's certificate holds at its own step: one step for every kind says nothing of theirs.
             self.certified = False
@@ -216,7 +227,7 @@ class CarnatorPolicy(Policy):
         elif self.certified and self.cfg.resume_step is not None and steps is not None and self.cfg.resume_step not in steps:
             # A later resume step recomputes less: the certificate of one step says nothing of another.
             self.certified = False
-            why += f"; certified at resume steps {steps} of {self.certified_resume['of']}, not {self.cfg.resume_step}"
+            why += f"; certified at resume steps {steps} of {resume_meta['of'] if resume_meta else '?'}, not {self.cfg.resume_step}"
             log.warning("thresholds %s%s", path, why)
         self.thresholds_source = f"{path} ({'certified' if self.certified else 'not certified'}{why})"
 
@@ -263,9 +274,18 @@ class CarnatorPolicy(Policy):
         return max(r, self.cfg.probe_steps) if tier.scope == "region" else max(r, 1)
 
     def stored_steps(self, num_steps: int) -> set[int]:
-        # A reuse resumes at r and blends with the source's latents after every later step: traj.{r-1} .. traj.{n-1}.
-        first = min([self.tier_resume(t, num_steps) for t in self.tiers.values()], default=self.resume_at(num_steps))
-        return set(range(first - 1, num_steps))
+        # A reuse resumes at r from traj.{r-1}; one that blends (a region) reads the source's latents after every later
+        # step too, traj.{r-1} .. traj.{n-1}; a frame tier's blends nothing, so it reads traj.{r-1} alone.
+        if not self.tiers:
+            steps = set(range(self.resume_at(num_steps) - 1, num_steps))
+        else:
+            steps = set()
+            for t in self.tiers.values():
+                r = self.tier_resume(t, num_steps)
+                steps |= {r - 1} if t.scope == "frame" else set(range(r - 1, num_steps))
+        if self.cfg.own_sample > 0:
+            steps.add(num_steps - 1)
+        return steps
 
     def uses_signature(self) -> bool:
         """Whether the thresholds read any Early Signature dimension (else a content-only rule: no probe needed)."""
@@ -296,13 +316,13 @@ class CarnatorPolicy(Policy):
         # (open thresholds), the plan's target region is the probe's evidence.
         return not self.content_only()
 
-    def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None):
+    def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None) -> list[tuple[Candidate, NounDiff]]:
         """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds
         read one), with their noun diffs, in recall order; never an entry that was itself a reuse, nor (with
         ``admitted_only``) one whose own clip failed the admission judge."""
         if need_signature is None:
             need_signature = self.uses_signature()
-        out = []
+        out: list[tuple[Candidate, NounDiff]] = []
         for c in inputs.candidates:
             if self.cfg.admitted_only and c.meta.extra.get("admitted") is False:
                 continue  # its own output failed the admission judge: never a source
@@ -322,7 +342,7 @@ class CarnatorPolicy(Policy):
         if self.tiers:
             # With tiers, only a candidate whose kind of change has one can be reused: those first, the one that keeps
             # the most of its trajectory (the latest resume step) first among them, recall order otherwise.
-            def rank(cd):
+            def rank(cd: tuple[Candidate, NounDiff]) -> tuple[bool, float]:
                 t = self.tier_for(inputs, cd[0])
                 return (t is None, 0 if t is None else -t.step / t.of)
             out.sort(key=rank)
@@ -339,9 +359,39 @@ class CarnatorPolicy(Policy):
 
     def tier_for(self, inputs: DecisionInputs, c: Candidate) -> Tier | None:
         """The certified tier that reuses candidate ``c`` for this request (None: its kind of change has none)."""
-        return self.tiers.get(self.change(inputs, c)) if self.tiers else None
+        if not self.tiers:
+            return None
+        tier = self.tiers.get(self.change(inputs, c))
+        return None if tier is None or (tier.kind, tier.step) in self.disabled_tiers else tier
 
-    def prefetch(self, inputs: DecisionInputs):
+    # ---- live audits -------------------------------------------------------------------------------------
+    def audit_tier(self, kind: str) -> tuple[int, int | None]:
+        """The tier a reuse of ``kind`` runs by, as a live audit names it: ``(step, of)``, the resume step on the
+        thresholds file's own scale (a tier's, else the file's certified resume step, else the configured one)."""
+        tier = self.tiers.get(kind) if self.tiers else None
+        if tier is not None:
+            return tier.step, tier.of
+        if self.cfg.resume_step is None and self.certified_resume is not None:
+            return int(self.certified_resume["step"]), int(self.certified_resume["of"])
+        return (self.cfg.resume_step or DEFAULT_RESUME_STEP), None
+
+    def disable(self, tiers: Iterable[tuple[str, int]]) -> None:
+        """Stop reusing by these ``(kind, step)`` tiers (plain data; an empty set enables every tier again). A
+        request of such a kind then runs as it would without the tier: a miss that says so."""
+        self.disabled_tiers = frozenset((str(k), int(s)) for k, s in tiers)
+
+    def _disabled(self, kind: str) -> str | None:
+        """Why a reuse of ``kind`` is off (its tier disabled by a live audit), or None."""
+        if not self.disabled_tiers:
+            return None
+        step, of = self.audit_tier(kind)
+        if (kind, step) not in self.disabled_tiers:
+            return None
+        return (f"the {kind} tier (step {step}{'' if of is None else f' of {of}'}) is disabled: the live audit of its "
+                "hits bounds their unsafe share above the certificate's delta (it resumes when a new thresholds file is "
+                "loaded)")
+
+    def prefetch(self, inputs: DecisionInputs) -> tuple[str, list[str] | None] | None:
         cands = self.candidates(inputs)
         sim = None if not cands else cands[0][0].similarity
         if not cands or not self.cfg.prefetch or (sim is not None and 1.0 - sim > self.tau.text):
@@ -393,8 +443,11 @@ class CarnatorPolicy(Policy):
         for c, diff in cands[: self.cfg.tested]:
             try:
                 theirs = c.meta.extra.get("signature")
-                tested.append((c, diff, EarlySignature() if theirs is None and not self.uses_signature()
-                               else EarlySignature.from_dict(theirs)))
+                if theirs is None and not self.uses_signature():
+                    tested.append((c, diff, EarlySignature()))
+                elif isinstance(theirs, dict):
+                    tested.append((c, diff, EarlySignature.from_dict(theirs)))
+                # else: no signature to test (a null one read as an AttributeError before)
             except (ValueError, KeyError, TypeError):
                 continue
         contents = [None if inputs.content is None else content_distance(inputs.content, c.meta.extra.get("content"))
@@ -403,7 +456,7 @@ class CarnatorPolicy(Policy):
                                self.cfg.compat)
         results = won.tested
         if inputs.signature is None:  # no probe ran: context was not measured (not the paper's 0 for no shared noun)
-            results = [replace(d, context=math.inf) for d in results]
+            results = tuple(replace(d, context=math.inf) for d in results)
         notes["tested"] = [{"id": c.meta.id, "similarity": c.similarity, "discrepancies": d.to_dict(),
                             "risk": None if self.tau.risk is None else self.tau.risk.risk(d)}
                            for (c, _, _), d in zip(tested, results)]
@@ -416,6 +469,14 @@ class CarnatorPolicy(Policy):
                                  details=notes, similarity=c.similarity, discrepancies=results[0])
         c, diff, _ = tested[won.index]
         d = results[won.index]
+        kind = self.change(inputs, c)
+        off = self._disabled(kind)
+        if off is not None:
+            step, of = self.audit_tier(kind)
+            notes.update(change=kind, disabled_tier={"kind": kind, "step": step, "of": of})
+            return Decision.miss(f"{c.meta.id[:8]} is compatible, but {off}", details=notes, similarity=c.similarity)
+        step, of = self.audit_tier(kind)
+        notes.update(change=kind, audit={"kind": kind, "step": step, "of": of})
         notes["discrepancies"] = {k: (None if v is None else float(v)) for k, v in vars(d).items()}
         return Decision(
             reuse=True, source_id=c.meta.id, similarity=c.similarity, discrepancies=d, certified=self.certified,
@@ -425,7 +486,7 @@ class CarnatorPolicy(Policy):
             details={**notes, "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
         )
 
-    def _decide_tier(self, inputs: DecisionInputs, cand, notes: dict) -> Decision:
+    def _decide_tier(self, inputs: DecisionInputs, cand: tuple[Candidate, NounDiff], notes: dict) -> Decision:
         """The decision under risk tiers: the first candidate (ranked by :meth:`candidates`) is reused by its kind of
         change's tier, or the request misses naming the kind."""
         c, diff = cand
@@ -433,6 +494,11 @@ class CarnatorPolicy(Policy):
         what = "" if inputs.content is None else content_change(inputs.content, c.meta.extra.get("content"))
         notes["change"] = kind
         tier = self.tiers.get(kind)
+        off = None if tier is None else self._disabled(kind)
+        if tier is not None and off is not None:
+            notes["disabled_tier"] = {"kind": kind, "step": tier.step, "of": tier.of}
+            return Decision.miss(f"nearest cached request {c.meta.id[:8]} {what or 'differs'}: {off}", details=notes,
+                                 similarity=c.similarity)
         if tier is None:
             kinds = ", ".join(sorted(self.tiers))
             return Decision.miss(f"nearest cached request {c.meta.id[:8]} {what or 'differs'}: no certified tier reuses "
@@ -450,7 +516,7 @@ class CarnatorPolicy(Policy):
             resume_step=r, reason=f"{kind} of {c.meta.id[:8]}{f' ({what})' if what else ''}: {how} from step {r} of {n} "
                                   f"(tier certified on {tier.accepted} pairs{bound})",
             details={**notes, "tier": {"kind": kind, "step": r, "scope": tier.scope, "bound": tier.bound},
-                     "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
+                     "audit": {"kind": kind, "step": tier.step, "of": tier.of}, "substituted": diff.substituted, "source_nouns": list(c.meta.extra.get("nouns", []))},
         )
 
     def plan(self, decision: Decision, inputs: DecisionInputs) -> ReusePlan:
@@ -462,6 +528,7 @@ class CarnatorPolicy(Policy):
         # object is recomputed, not kept as a ghost); with no substitution, every noun's.
         sub = decision.details.get("substituted")
         source_nouns = decision.details.get("source_nouns", [])
+        masks: list[np.ndarray | None]
         if sub is not None:
             oq, oj = sub
             masks = [inputs.regions.get(oq)]
@@ -471,18 +538,18 @@ class CarnatorPolicy(Policy):
             source = [EVIDENCE_PREFIX + w for w in source_nouns]
         if decision.regions is not None:  # an injected decision's own target (a replay)
             masks = list(decision.regions) if sub is None else [decision.regions[0]]
-        masks = tuple(m for m in masks if m is not None)
+        found = tuple(m for m in masks if m is not None)
         frame = (decision.details.get("tier") or {}).get("scope") == "frame"
         if frame:
-            masks, source = (), []   # a frame tier recomputes every token from its step: nothing of the source is blended in
+            found, source = (), []   # a frame tier recomputes every token from its step: nothing of the source is blended in
         # no probe ran (a content-only rule) or a frame tier: no region, the whole frame is recomputed (Active 1.0)
-        region = RegionSpec(scope=cfg.scope, masks=masks, source_masks=tuple(source) if masks else (),
+        region = RegionSpec(scope=cfg.scope, masks=found, source_masks=tuple(source) if found else (),
                             everywhere_if_empty=inputs.signature is None or frame)
         masks_apply = inputs.sparse is not None
         return ReusePlan(
             hit=True, source_id=decision.source_id, resume_step=r, init_latent=f"traj.{r - 1}",
             own_sample=float(cfg.own_sample), clean_latent=f"traj.{n - 1}" if cfg.own_sample > 0 else None,
-            phases=(Phase(r, n, blend=True, window=True, masks=masks_apply),), region=region, window_layers=cfg.window,
+            phases=(Phase(r, n, blend=not frame, window=True, masks=masks_apply),), region=region, window_layers=cfg.window,
             mask_prefix=MASK_PREFIX if masks_apply else None, capture=inputs.sparse,
         )
 

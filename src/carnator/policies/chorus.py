@@ -62,11 +62,11 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from ..attention.state import Amplification, AttentionRecord
+from ..attention.state import Amplification, AttentionRecord, EvidenceRecord
 from ..plan import Decision, DecisionInputs, Phase, RecordedRegions, RegionSpec, ReusePlan
 from ..reuse import ScopeConfig
 from ..signature import RegionConfig, normalize_noun
@@ -172,7 +172,7 @@ def prompt_diff(target: str, source: str, target_nouns: Iterable[str], source_no
     return PromptDiff(added, removed, attr_diff(at, as_, removed), attr_diff(as_, at, added))
 
 
-def _response(ev, positions) -> torch.Tensor | None:
+def _response(ev: EvidenceRecord | None, positions: Iterable[int]) -> torch.Tensor | None:
     """A word's cross-attention response (N,): mean over heads and its token positions."""
     if ev is None or ev.cross is None:
         return None
@@ -227,7 +227,7 @@ class ChorusPolicy(Policy):
     name = "chorus"
     needs_attention = True
 
-    def __init__(self, gate: TextGate | None = None, config: ChorusConfig | None = None, **overrides):
+    def __init__(self, gate: TextGate | None = None, config: ChorusConfig | None = None, **overrides: Any) -> None:
         self.gate = gate or TextGate()
         self.cfg = config or ChorusConfig(**overrides)
 
@@ -243,7 +243,7 @@ class ChorusPolicy(Policy):
         r, s = self.cfg.stages(num_steps)
         return (set(range(r - 1, s)) | {min(s, num_steps - 1) - 1}) & set(range(num_steps))
 
-    def _record(self, inputs: DecisionInputs) -> tuple[int, int] | None:
+    def _record(self, inputs: DecisionInputs) -> tuple[int, int]:
         """(step, layer) at which every request records its words' cross-attention."""
         r, _ = self.cfg.stages(inputs.num_steps)
         layer = self.cfg.record_layer if self.cfg.record_layer is not None else inputs.num_layers // 2

@@ -186,6 +186,23 @@ def clopper_pearson_upper(k: int, n: int, confidence: float) -> float:
     return float(beta.ppf(confidence, k + 1, n - k))
 
 
+def clopper_pearson_lower(k: int, n: int, confidence: float) -> float:
+    """One-sided Clopper-Pearson lower confidence bound for a binomial rate with ``k`` of ``n``.
+
+    The smallest ``p`` with ``P(X >= k | n, p) >= 1 - confidence``, i.e. the ``1 - confidence`` quantile of
+    ``Beta(k, n - k + 1)``; 0 when ``k == 0``. For ``k == n`` it is ``(1 - confidence)**(1/n)``. A lower bound above
+    ``delta`` says, at ``confidence``, that the rate exceeds ``delta`` (the one-sided binomial test of ``p <= delta``
+    rejects): what a live audit needs before it stops a certified tier."""
+    k, n = int(k), int(n)
+    if n < 0 or not 0 <= k <= max(n, 0):
+        raise ValueError(f"need 0 <= k <= n, got k={k} n={n}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    if k == 0:
+        return 0.0
+    return float(beta.ppf(1.0 - confidence, k, n - k + 1))
+
+
 def _matrix(pairs: Sequence[CalibrationPair]) -> tuple[np.ndarray, np.ndarray]:
     """``(n, len(DIMENSIONS))`` discrepancy values (not applicable -> -inf, always passes) and ``(n,)`` unsafe flags."""
     vals = np.array(
@@ -322,7 +339,8 @@ def _search4(r: np.ndarray, unsafe: np.ndarray, keep: np.ndarray, sizes: Sequenc
         kv = int(key.flat[flat])
         if kv > best_key:
             best_key = kv
-            best = (c0, *(int(i) for i in np.unravel_index(flat, key.shape)))
+            i1, i2, i3 = (int(i) for i in np.unravel_index(flat, key.shape))
+            best = (c0, i1, i2, i3)
     return best_key, best
 
 
@@ -353,7 +371,8 @@ def select_thresholds(pairs: Sequence[CalibrationPair], delta: float, max_candid
         key, inner = _search4(r, unsafe, keep, sizes[:4], n, kmax, allowed, sum(outer))
         if key > best_key:
             best_key, best = key, (*inner, *outer)
-    tau = Thresholds(**{k: float(cands[i][best[i]]) for i, k in enumerate(DIMENSIONS)})
+    chosen: dict[str, Any] = {k: float(cands[i][best[i]]) for i, k in enumerate(DIMENSIONS)}
+    tau = Thresholds(**chosen)
     acc_n, uns_n = evaluate(pairs, tau)
     return tau, acc_n, uns_n
 
@@ -376,7 +395,7 @@ def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0) -> tuple[np.ndar
     reg = np.full(A.shape[1], float(l2))
     reg[-1] = 0.0
 
-    def f(t):
+    def f(t: np.ndarray) -> float:
         return 0.5 * (reg * t) @ t - log_expit(s * (A @ t)).sum()
 
     t = np.zeros(A.shape[1])
@@ -410,7 +429,7 @@ def select_risk(pairs: Sequence[CalibrationPair], delta: float, confidence: floa
         w, b = np.zeros(X.shape[1]), 0.0
     else:
         w, b = fit_logistic(X[ok], unsafe[ok], l2)
-    off = dict.fromkeys(DIMENSIONS, math.inf)
+    off: dict[str, Any] = dict.fromkeys(DIMENSIONS, math.inf)
     base = RiskScore(tuple(w), b, -1.0)
     # Scored through RiskScore.risk itself, not a vectorized copy: the threshold is then exactly the value the policy
     # and evaluate() compare against. NaN inputs give NaN: never accepted.

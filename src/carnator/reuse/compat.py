@@ -141,7 +141,7 @@ class Discrepancies:
     two prompts asks for (:func:`carnator.signature.content.content_distance`; 0: a rewording or a re-roll); ``None``
     when not measured, ``inf`` when the candidate has no recorded content."""
 
-    def to_dict(self) -> dict[str, float | None]:
+    def to_dict(self) -> dict[str, float | str | None]:
         """JSON-able dict (``inf`` written as the string ``"inf"``)."""
         return {k: (None if v is None else ("inf" if math.isinf(v) else float(v))) for k, v in asdict(self).items()}
 
@@ -451,7 +451,7 @@ class Thresholds:
                     "recalibrate, or configure the policy as the file says"
                 )
         if judge is not None:
-            meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
+            meta: dict[str, Any] = doc["meta"] if isinstance(doc.get("meta"), dict) else {}
             if meta.get("judge") != judge:
                 raise CarnatorError(f"thresholds file {p} was certified by judge {meta.get('judge')!r}, not {judge!r}: "
                                     "recalibrate with this judge")
@@ -485,7 +485,8 @@ class CompatResult:
 
 def first_compatible(
     sig_q: EarlySignature,
-    candidates: Iterable[tuple[EarlySignature, NounDiff] | tuple[EarlySignature, NounDiff, float | None]],
+    candidates: Iterable[tuple[EarlySignature, NounDiff] | tuple[EarlySignature, NounDiff, float | None]
+                         | tuple[EarlySignature, NounDiff, float | None, float | None]],
     tau: Thresholds,
     cfg: CompatConfig = CompatConfig(),
 ) -> CompatResult:
@@ -494,7 +495,7 @@ def first_compatible(
     Each candidate is ``(signature, noun diff[, recall similarity[, content distance]])``; without a similarity ``d_text``
     is unmeasured, without a content distance ``d_content``.
     """
-    tested = []
+    tested: list[Discrepancies] = []
     for i, cand in enumerate(candidates):
         sig_j, diff, *rest = cand
         d = discrepancies(sig_q, sig_j, diff, cfg, similarity=rest[0] if rest else None,

@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from ..errors import CarnatorError
-from ..request import SEED_MAX, SEED_MIN
+from ..request import SEED_MAX, SEED_MIN, Params
 from .events import CLOSED, DONE
 from .jobs import (
     CANCELLED,
@@ -153,7 +153,7 @@ def _request_model(policies: tuple[str, ...], max_steps: int) -> type[BaseModel]
         num_inference_steps: Annotated[StrictInt, Field(ge=1, le=max_steps)] | None = None
         guidance_scale: Annotated[StrictFloat | StrictInt, Field(ge=0, le=100, allow_inf_nan=False),
                                   BeforeValidator(_finite)] | None = None
-        policy: Policy = Field("carnator", description="how cached work is reused")  # type: ignore[valid-type]
+        policy: Policy = Field("carnator", description="how cached work is reused")
         cache: Literal["reuse", "exact", "off"] = Field("reuse", description="what the job may take from the cache: reuse "
                                                         "(exact hits and approximate reuse), exact (exact hits only), off "
                                                         "(nothing: the job runs in full)")
@@ -161,6 +161,14 @@ def _request_model(policies: tuple[str, ...], max_steps: int) -> type[BaseModel]
                                                     "writes nothing; with cache off it touches no cache at all)")
 
     return VideoRequest
+
+
+def to_params(body: BaseModel, tenant: str) -> Params:
+    """The request parameters a validated body asks for, as the engine takes them: the caller's tenant, and a
+    random seed where the body gives none."""
+    fields = body.model_dump()
+    seed = fields.pop("seed")
+    return Params(**fields, seed=secrets.randbelow(2**31) if seed is None else seed, tenant=tenant)
 
 
 def job_view(job: Job) -> dict[str, Any]:
@@ -200,14 +208,16 @@ def create_app(service: "Service") -> FastAPI:
     VideoRequest = _request_model(service.policies, service.max_steps)
 
     # -- auth ---------------------------------------------------------------------------------
+    tenant_of: Callable[..., str]
     if cfg.keys is None:
-        def tenant_of() -> str:
+        def open_tenant() -> str:
             return "default"
+        tenant_of = open_tenant
     else:
         bearer = HTTPBearer(auto_error=False, description="an API key of keys.json")
         keys = {k.encode(): t for k, t in cfg.keys.items()}
 
-        def tenant_of(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> str:
+        def keyed_tenant(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> str:
             if creds is None or not creds.credentials:
                 service.metrics.rejections.labels(reason="unauthorized").inc()
                 raise ApiError(401, "unauthorized", "missing API key: send the header Authorization: Bearer KEY",
@@ -220,6 +230,7 @@ def create_app(service: "Service") -> FastAPI:
                 service.metrics.rejections.labels(reason="unauthorized").inc()
                 raise ApiError(401, "unauthorized", "unknown API key", {"WWW-Authenticate": "Bearer"})
             return found
+        tenant_of = keyed_tenant
 
     Tenant = Annotated[str, Depends(tenant_of)]
 
@@ -287,18 +298,16 @@ def create_app(service: "Service") -> FastAPI:
         """Queue a video job; 202 with the job. Poll it, stream its events, download it when completed."""
         if service.pool.draining:
             raise ApiError(503, "unavailable", "the server is shutting down", {"Retry-After": "5"})
-        given = body.model_dump(exclude_unset=True)
-        params = body.model_dump()
-        if params["seed"] is None:
-            params["seed"] = secrets.randbelow(2**31)
+        sent: BaseModel = body  # (the model is built per app: mypy sees no class)
+        given = sent.model_dump(exclude_unset=True)
         try:
-            service.validate(params, tenant)
+            params = service.validate(to_params(sent, tenant))
         except CarnatorError as e:
             service.metrics.rejections.labels(reason="invalid").inc()
             raise ApiError(422, "invalid_request", str(e)) from None
         try:
             job, created = service.store.submit(
-                tenant, params, idempotency_key=idempotency_key, request_hash=request_hash(given),
+                tenant, params.to_dict(tenant=False), idempotency_key=idempotency_key, request_hash=request_hash(given),
                 max_queued=cfg.max_queue, max_queued_per_tenant=service.max_queue_per_tenant)
         except QueueFull as e:
             service.metrics.rejections.labels(reason=e.reason).inc()
@@ -358,7 +367,7 @@ def create_app(service: "Service") -> FastAPI:
         frees its worker. A finished job answers 409."""
         before = await run_in_threadpool(service.store.get, tenant, video_id)
         job = await run_in_threadpool(service.store.cancel, tenant, video_id) if before is not None else None
-        if job is None:
+        if job is None or before is None:
             raise ApiError(404, "not_found", f"no video job {video_id!r}")
         if job.status in (COMPLETED, FAILED):
             raise ApiError(409, "conflict", f"job {video_id} already {job.status}: nothing to cancel")
@@ -369,6 +378,8 @@ def create_app(service: "Service") -> FastAPI:
             while job.status == IN_PROGRESS and loop.time() < deadline:
                 await asyncio.sleep(0.05)
                 job = await run_in_threadpool(service.store.get, tenant, video_id)
+                if job is None:  # removed meanwhile
+                    raise ApiError(404, "not_found", f"no video job {video_id!r}")
         if job.status == CANCELLED and before.status == QUEUED:  # (the worker counts the jobs it stops)
             service.metrics.requests.labels(status=CANCELLED, policy=job.policy).inc()
             service.hub.publish(video_id, DONE, {"id": video_id, "status": CANCELLED})
@@ -421,6 +432,12 @@ def create_app(service: "Service") -> FastAPI:
     def metrics():
         """Prometheus metrics (no tenant, prompt or job id in any label)."""
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/audit", tags=["operations"])
+    def audit() -> dict[str, Any]:
+        """The shadow audits' live state: per kind of change and tier, the verdicts, the unsafe among them, the upper
+        (live) and lower Clopper-Pearson bounds and whether the tier is disabled (no tenant, prompt or job id)."""
+        return service.auditor.report()
 
     @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, str]:

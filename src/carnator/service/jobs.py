@@ -27,6 +27,7 @@ processes).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import hashlib
@@ -134,7 +135,7 @@ class JobStore(Protocol):
         """The tenant's jobs by submission order (``desc``: newest first), starting after the job ``after``; the page
         and whether more follow."""
 
-    def queued_tenants(self) -> list[str]:
+    def queued_tenants(self) -> builtins.list[str]:
         """Tenants with queued jobs, sorted."""
 
     def claim(self, tenant: str, worker: str) -> Job | None:
@@ -159,10 +160,10 @@ class JobStore(Protocol):
     def cancel(self, tenant: str, job_id: str) -> Job | None:
         """Cancel a queued job at once, or ask an in-progress one to stop; the job after that, None when missing."""
 
-    def recover(self, max_attempts: int) -> dict[str, list[str]]:
+    def recover(self, max_attempts: int) -> dict[str, builtins.list[str]]:
         """Start-up: jobs left in progress are requeued, failed (attempts used up) or cancelled (asked); their ids."""
 
-    def expire(self, before: float) -> list[str]:
+    def expire(self, before: float) -> builtins.list[str]:
         """Retention: delete the jobs that finished (completed, failed, cancelled) before ``before`` (Unix seconds),
         their log and their videos; their ids. Queued and running jobs are never touched."""
 
@@ -178,8 +179,14 @@ class JobStore(Protocol):
     def video_path(self, tenant: str, job_id: str, variant: str) -> Path | None:
         """The published video of the tenant's completed job, or None."""
 
-    def history(self, job_id: str) -> list[dict[str, Any]]:
+    def history(self, job_id: str) -> builtins.list[dict[str, Any]]:
         """The job's audit log: submitted, claimed (attempt), progress never, requeued, finished (status)."""
+
+    def record_audit(self, verdict: Mapping[str, Any], state: Callable[[int, int], Mapping[str, Any]]) -> dict[str, Any]:
+        """Append one audit verdict with the live state of its tier after it (carnator.service.audit)."""
+
+    def audit_verdicts(self, thresholds: str | None = None) -> builtins.list[dict[str, Any]]:
+        """Every audit verdict (of one thresholds file's identity, or all), oldest first."""
 
     def healthy(self) -> str | None:
         """None when the store can take new jobs; else why not (one line)."""
@@ -189,8 +196,8 @@ class JobStore(Protocol):
 
 
 #: Table names per database. The PostgreSQL tables share a schema with the cache store's, hence the prefix.
-TABLE_NAMES = {"sqlite": ("jobs", "job_log", "meta"),
-               "postgresql": ("carnator_jobs", "carnator_job_events", "carnator_jobs_meta")}
+TABLE_NAMES = {"sqlite": ("jobs", "job_log", "meta", "audits"),
+               "postgresql": ("carnator_jobs", "carnator_job_events", "carnator_jobs_meta", "carnator_audits")}
 
 
 @dataclass(frozen=True)
@@ -199,11 +206,12 @@ class JobTables:
     jobs: sa.Table
     events: sa.Table
     meta: sa.Table
+    audits: sa.Table
 
 
 def job_tables(dialect: str) -> JobTables:
     """The job table's schema, for both databases (only the names differ, see :data:`TABLE_NAMES`)."""
-    jobs_name, events_name, meta_name = TABLE_NAMES[dialect]
+    jobs_name, events_name, meta_name, audits_name = TABLE_NAMES[dialect]
     md = sa.MetaData()
     seq = sa.BigInteger().with_variant(sa.Integer(), "sqlite")  # SQLite: INTEGER PRIMARY KEY is the rowid
     jobs = sa.Table(
@@ -244,16 +252,47 @@ def job_tables(dialect: str) -> JobTables:
     )
     sa.Index(f"{events_name}_job", events.c.job_id, events.c.seq)
     meta = sa.Table(meta_name, md, sa.Column("key", sa.Text, primary_key=True), sa.Column("value", sa.Text, nullable=False))
-    return JobTables(md, jobs, events, meta)
+    # Shadow audits' verdicts (carnator.service.audit): one row per audited approximate hit, with the live bound of its
+    # (thresholds file, kind, step) after it.
+    audits = sa.Table(
+        audits_name, md,
+        sa.Column("seq", seq, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.Text, nullable=False),
+        sa.Column("tenant", sa.Text, nullable=False),
+        sa.Column("thresholds", sa.Text, nullable=False),
+        sa.Column("kind", sa.Text, nullable=False),
+        sa.Column("step", sa.Integer, nullable=False),
+        sa.Column("of", sa.Integer),
+        sa.Column("acceptable", sa.Boolean(create_constraint=False), nullable=False),
+        sa.Column("scores", sa.Text, nullable=False),
+        sa.Column("request", sa.Text, nullable=False),
+        sa.Column("entry_id", sa.Text),
+        sa.Column("source_id", sa.Text),
+        sa.Column("seconds", sa.Double),
+        sa.Column("at", sa.Double, nullable=False),
+        sa.Column("n", sa.Integer, nullable=False),
+        sa.Column("unsafe", sa.Integer, nullable=False),
+        sa.Column("bound", sa.Double, nullable=False),
+        sa.Column("lower", sa.Double, nullable=False),
+        sa.Column("disabled", sa.Boolean(create_constraint=False), nullable=False),
+        sqlite_autoincrement=True,
+    )
+    sa.Index(f"{audits_name}_tier", audits.c.thresholds, audits.c.kind, audits.c.step, audits.c.seq)
+    return JobTables(md, jobs, events, meta, audits)
 
 
 def _create(c: sa.Connection, t: JobTables) -> None:
-    t.metadata.create_all(c, checkfirst=True)
+    t.metadata.create_all(c, tables=[t.jobs, t.events, t.meta], checkfirst=True)
+
+
+def _add_audits(c: sa.Connection, t: JobTables) -> None:
+    """Version 2: the shadow audits' verdicts."""
+    t.audits.create(c, checkfirst=True)
 
 
 #: The schema's versions: step N upgrades a table of version N-1 (0: none yet, or a PostgreSQL table of a release
 #: that kept no version; its tables are those of version 1) in place, inside the transaction that records N.
-MIGRATIONS: tuple[Callable[[sa.Connection, JobTables], None], ...] = (_create,)
+MIGRATIONS: tuple[Callable[[sa.Connection, JobTables], None], ...] = (_create, _add_audits)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -475,7 +514,7 @@ class SqlJobStore(VideoFiles):
 
         return self._tx(page)
 
-    def queued_tenants(self) -> list[str]:
+    def queued_tenants(self) -> builtins.list[str]:
         j = self.tables.jobs
         q = sa.select(j.c.tenant).where(j.c.status == QUEUED).distinct().order_by(j.c.tenant)
         return self._tx(lambda c: list(c.execute(q).scalars()))
@@ -589,7 +628,7 @@ class SqlJobStore(VideoFiles):
 
         return self._tx(stop, critical=True)
 
-    def recover(self, max_attempts: int) -> dict[str, list[str]]:
+    def recover(self, max_attempts: int) -> dict[str, builtins.list[str]]:
         j = self.tables.jobs
         out: dict[str, list[str]] = {"requeued": [], "failed": [], "cancelled": []}
 
@@ -617,19 +656,19 @@ class SqlJobStore(VideoFiles):
         self._sweep_staging()
         return out
 
-    def expire(self, before: float, *, batch: int = 500) -> list[str]:
+    def expire(self, before: float, *, batch: int = 500) -> builtins.list[str]:
         j, e = self.tables.jobs, self.tables.events
         q = (sa.select(j.c.id).where(j.c.status.in_(TERMINAL), j.c.completed_at < float(before)).order_by(j.c.seq)
              .limit(batch))
 
-        def sweep(c: sa.Connection) -> list[str]:
-            ids = list(c.execute(q).scalars())
+        def sweep(c: sa.Connection) -> builtins.list[str]:
+            ids = builtins.list(c.execute(q).scalars())
             if ids:
                 c.execute(sa.delete(e).where(e.c.job_id.in_(ids)))
                 c.execute(sa.delete(j).where(j.c.id.in_(ids)))
             return ids
 
-        out: list[str] = []
+        out: builtins.list[str] = []
         while True:
             ids = self._tx(sweep)  # the rows first: a crash between leaves only video files nothing names
             for jid in ids:
@@ -650,10 +689,53 @@ class SqlJobStore(VideoFiles):
         q = sa.select(sa.func.count()).select_from(j).where(j.c.status == QUEUED, j.c.tenant == tenant)
         return int(self._tx(lambda c: c.execute(q).scalar_one()))
 
-    def history(self, job_id: str) -> list[dict[str, Any]]:
+    def history(self, job_id: str) -> builtins.list[dict[str, Any]]:
         e = self.tables.events
         q = sa.select(e.c.kind, e.c.attempt, e.c.at, e.c.detail).where(e.c.job_id == job_id).order_by(e.c.seq)
         return [{"kind": k, "attempt": a, "at": t, "detail": d} for k, a, t, d in self._tx(lambda c: c.execute(q).all())]
+
+    # ---- shadow audits' verdicts (carnator.service.audit) ------------------------------------------
+    def record_audit(self, verdict: Mapping[str, Any], state: Callable[[int, int], Mapping[str, Any]]) -> dict[str, Any]:
+        """Append one audit verdict (``job_id``, ``tenant``, ``thresholds``, ``kind``, ``step``, ``of``, ``acceptable``,
+        ``scores``, ``request``, ``entry_id``, ``source_id``, ``seconds``) with the live state of its tier after it:
+        ``state(n, unsafe)`` over every verdict of the same thresholds, kind and step (this one included) gives
+        ``bound``, ``lower`` and ``disabled``. Serialised with submissions (one count per tier across servers)."""
+        a = self.tables.audits
+
+        def add(c: sa.Connection) -> dict[str, Any]:
+            self._serialise_submit(c)
+            same = (a.c.thresholds == verdict["thresholds"], a.c.kind == verdict["kind"], a.c.step == int(verdict["step"]))
+            n, bad, was = c.execute(sa.select(sa.func.count(), sa.func.sum(sa.case((a.c.acceptable, 0), else_=1)),
+                                              sa.func.max(sa.case((a.c.disabled, 1), else_=0))).where(*same)).one()
+            n, bad = int(n or 0) + 1, int(bad or 0) + (0 if verdict["acceptable"] else 1)
+            st = dict(state(n, bad))
+            st["disabled"] = bool(st["disabled"]) or bool(was)   # a disabled tier stays so for this thresholds file
+            row = {"job_id": verdict["job_id"], "tenant": verdict["tenant"], "thresholds": verdict["thresholds"],
+                   "kind": verdict["kind"], "step": int(verdict["step"]), "of": verdict.get("of"),
+                   "acceptable": bool(verdict["acceptable"]), "scores": json.dumps(verdict.get("scores") or {}),
+                   "request": json.dumps(verdict.get("request") or {}, default=str), "entry_id": verdict.get("entry_id"),
+                   "source_id": verdict.get("source_id"), "seconds": verdict.get("seconds"), "at": self._clock(),
+                   "n": n, "unsafe": bad, "bound": float(st["bound"]), "lower": float(st["lower"]),
+                   "disabled": bool(st["disabled"])}
+            c.execute(sa.insert(a).values(**row))
+            return {**row, "scores": verdict.get("scores") or {}, "request": verdict.get("request") or {}}
+
+        return self._tx(add)
+
+    def audit_verdicts(self, thresholds: str | None = None) -> builtins.list[dict[str, Any]]:
+        """Every audit verdict (of one thresholds file's identity, or all), oldest first."""
+        a = self.tables.audits
+        q = sa.select(a).order_by(a.c.seq)
+        if thresholds is not None:
+            q = q.where(a.c.thresholds == thresholds)
+        rows = self._tx(lambda c: c.execute(q).all())
+        out = []
+        for r in rows:
+            m = dict(r._mapping)
+            m["scores"], m["request"] = json.loads(m["scores"]), json.loads(m["request"])
+            m["acceptable"], m["disabled"] = bool(m["acceptable"]), bool(m["disabled"])
+            out.append(m)
+        return out
 
     def healthy(self) -> str | None:
         try:

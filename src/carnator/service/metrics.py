@@ -54,6 +54,10 @@ class ServiceMetrics:
         calls served without the store (a shared store's PostgreSQL unreachable)."""
         self.registry.register(_Gauges(job_counts, cache_stats, running, store_unavailable or (lambda: 0)))
 
+    def add_audit(self, report: Callable[[], Mapping[str, Any]]) -> None:
+        """The shadow audits' live state, read at scrape time (:meth:`carnator.service.audit.Auditor.report`)."""
+        self.registry.register(_Audit(report))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -65,7 +69,7 @@ class _Gauges:
     def describe(self) -> Iterable:  # no call at registration (the store may be slow)
         return []
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         try:
             counts = self._jobs()
         except Exception:  # a scrape never fails for a busy or full disk
@@ -85,3 +89,49 @@ class _Gauges:
             down = float("nan")
         yield CounterMetricFamily("carnator_cache_store_unavailable", "Cache calls served as misses because the "
                                   "shared store's PostgreSQL could not be reached (requests ran dense)", value=down)
+
+
+class _Audit:
+    def __init__(self, report) -> None:
+        self._report = report
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        try:
+            rep = self._report()
+        except Exception:  # a scrape never fails for a busy store
+            return
+        labels = ["kind", "tier"]
+        bound = GaugeMetricFamily("carnator_audit_bound", "Live one-sided Clopper-Pearson upper bound of the unsafe "
+                                  "share of audited approximate hits, per kind of change and tier (thresholds file's "
+                                  "confidence)", labels=labels)
+        lower = GaugeMetricFamily("carnator_audit_lower_bound", "Its lower bound: a tier is disabled once this passes "
+                                  "the thresholds file's delta", labels=labels)
+        verdicts = GaugeMetricFamily("carnator_audit_verdicts", "Audit verdicts under the loaded thresholds file, per "
+                                     "kind, tier and verdict (every server sharing the job store)",
+                                     labels=[*labels, "verdict"])
+        disabled = GaugeMetricFamily("carnator_audit_tier_disabled", "1: the tier is disabled by its live audit "
+                                     "(requests of its kind miss until a new thresholds file is loaded)", labels=labels)
+        for t in rep.get("tiers", []):
+            lv = [str(t["kind"]), str(t["tier"])]
+            bound.add_metric(lv, float(t["bound"]))
+            lower.add_metric(lv, float(t["lower"]))
+            verdicts.add_metric([*lv, "safe"], float(t["n"] - t["unsafe"]))
+            verdicts.add_metric([*lv, "unsafe"], float(t["unsafe"]))
+            disabled.add_metric(lv, 1.0 if t["disabled"] else 0.0)
+        yield from (bound, lower, verdicts, disabled)
+        if rep.get("delta") is not None:
+            yield GaugeMetricFamily("carnator_audit_delta", "The thresholds file's delta the live bounds are held to",
+                                    value=float(rep["delta"]))
+        yield GaugeMetricFamily("carnator_audit_pending", "Sampled approximate hits waiting for their audit",
+                                value=float(rep.get("pending", 0)))
+        yield CounterMetricFamily("carnator_audit_seconds", "Device seconds this server spent on audits (preempted "
+                                  "ones included)", value=float(rep.get("seconds", 0.0)))
+        runs = CounterMetricFamily("carnator_audits", "This server's audits by outcome: sampled, safe, unsafe, "
+                                   "preempted (yielded to a job, run again later), dropped (queue full), failed",
+                                   labels=["outcome"])
+        for k, v in (rep.get("counts") or {}).items():
+            runs.add_metric([k], float(v))
+        yield runs

@@ -19,11 +19,13 @@ class ServerProcess:
     """``carnator serve --port 0 --cache-dir DIR ARGS...`` in a child process; ``url`` once it listens.
 
     Its output (stdout and stderr) is kept in ``lines``. ``stop()`` sends SIGINT (Ctrl-C) and waits; ``kill()`` sends
-    SIGKILL."""
+    SIGKILL. Shadow audits are off (``--audit 0``) unless ``args`` name ``--audit``: their sampling is random, and what
+    such a server is used to measure (the tests, the load and scale benchmarks) predates them."""
 
     def __init__(self, cache_dir: str | os.PathLike[str], args: Sequence[str] = (), *, timeout: float = 180.0,
                  env: dict[str, str] | None = None):
-        cmd = [sys.executable, "-m", "carnator.cli", "serve", "--port", "0", "--cache-dir", str(cache_dir), *args]
+        audit = [] if any(str(a).split("=")[0] == "--audit" for a in args) else ["--audit", "0"]
+        cmd = [sys.executable, "-m", "carnator.cli", "serve", "--port", "0", "--cache-dir", str(cache_dir), *audit, *args]
         self.cache_dir = Path(cache_dir)
         self.lines: list[str] = []
         self._url_seen = threading.Event()

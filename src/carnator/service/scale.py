@@ -42,6 +42,7 @@ from ray.serve.request_router import (
 )
 
 from ..errors import Cancelled, GenerationError, InvalidRequestError
+from ..request import Params
 
 log = logging.getLogger("carnator.service")
 
@@ -208,7 +209,7 @@ class EngineReplica:
         st = self.engine.store
         return {"blob_bytes_read": int(getattr(st, "bytes_read", 0)), "store_unavailable": int(getattr(st, "unavailable", 0))}
 
-    def generate(self, params: dict[str, Any], tenant: str, affinity: list[str] | None = None, token: str | None = None):
+    def generate(self, params: Params, affinity: list[str] | None = None, token: str | None = None):
         import ray
 
         events: queue.Queue = queue.Queue()
@@ -231,14 +232,9 @@ class EngineReplica:
         yield {"kind": "started", "replica": self.replica, "pid": os.getpid()}
 
         def run() -> None:
-            p = params
             try:
-                res = self.engine.generate(
-                    p["prompt"], seed=p["seed"], policy=p.get("policy", "carnator"),
-                    negative_prompt=p.get("negative_prompt"), num_inference_steps=p.get("num_inference_steps"),
-                    num_frames=p.get("num_frames"), height=p.get("height"), width=p.get("width"),
-                    guidance_scale=p.get("guidance_scale"), tenant=tenant, cache=p.get("cache", "reuse"),
-                    store=p.get("store", True),
+                res = self.engine.run(
+                    params,
                     progress=lambda d, t: events.put({"kind": "progress", "done": d, "total": t}),
                     cancel=cancelled,
                     events=lambda k, d: events.put({"kind": "event", "name": k, "data": _plain(d)}),
@@ -330,7 +326,7 @@ class Replicas:
         elif config.router != "pow2":
             raise ValueError(f"router must be affinity or pow2, got {config.router!r}")
         threads = None if config.num_gpus else max(1, int((os.cpu_count() or 1) // max(1, config.replicas)))
-        app = EngineReplica.options(**options).bind(spec.to_dict(), config.separate_caches, threads)
+        app = EngineReplica.options(**options).bind(spec.to_dict(), config.separate_caches, threads)  # type: ignore[attr-defined]
         self.board = ray.remote(num_cpus=0)(CancelBoard).options(name=BOARD_NAME, namespace="carnator",
                                                                   get_if_exists=True).remote()
         self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
@@ -369,16 +365,16 @@ class RemoteEngine:
     def __getattr__(self, name: str) -> Any:  # policy(), resolve(), store, ... of the ingress's engine
         return getattr(self.local, name)
 
-    def generate(self, prompt: str, *, seed: int, policy: str = "carnator", negative_prompt=None, num_inference_steps=None,
-                 num_frames=None, height=None, width=None, guidance_scale=None, tenant: str = "default",
-                 cache: str = "reuse", store: bool = True, progress=None, cancel=None, events=None):
+    def generate(self, prompt: str, *, progress: Any = None, cancel: Any = None, events: Any = None, **params: Any) -> Any:
+        """:meth:`run` of ``Params(prompt, **params)`` (``Carnator.generate``'s keywords)."""
+        return self.run(Params(prompt=prompt, **{"cache": "reuse", **params}), progress=progress, cancel=cancel, events=events)
+
+    def run(self, params: Params, *, progress: Any = None, cancel: Any = None, events: Any = None) -> Any:
         from ray.exceptions import RayError
 
         from ..request import Result
 
-        params = {"prompt": prompt, "seed": seed, "policy": policy, "negative_prompt": negative_prompt,
-                  "num_inference_steps": num_inference_steps, "num_frames": num_frames, "height": height, "width": width,
-                  "guidance_scale": guidance_scale, "cache": cache, "store": store}
+        prompt, tenant = params.prompt, params.tenant
         aff = self.replicas.affinity
         affinity: list[str] = []
         emb = None
@@ -391,7 +387,7 @@ class RemoteEngine:
         last: BaseException | None = None
         for attempt in (1, 2):
             token = uuid.uuid4().hex
-            gen = self.replicas.handle.options(stream=True).generate.remote(params, tenant, affinity=affinity, token=token)
+            gen = self.replicas.handle.options(stream=True).generate.remote(params, affinity=affinity, token=token)
             replica = "?"
             try:
                 for item in gen:

@@ -10,6 +10,7 @@ listen and print the URL. Ctrl-C (or SIGTERM): the running jobs stop at their ne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import ipaddress
 import json
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CarnatorError
+from ..request import Params
 from .events import EventHub
 from .jobs import VIDEO_DIR, JobStore, JobStoreError, SqliteJobStore
 from .metrics import ServiceMetrics
@@ -63,6 +65,10 @@ class ServeConfig:
     separate_caches: bool = False
     affinity_busy_at: int = 1
     retention_s: float = DEFAULT_RETENTION_S
+    audit: float = 0.1
+    audit_budget: float = 0.1
+    audit_judge: str | None = None
+    audit_seed: int | None = None
 
 
 def load_keys(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -158,8 +164,14 @@ class Service:
         if store is None:
             store = open_job_store(config.store, self.cache_dir, server_lock)
         self.store: JobStore = store
+        from .audit import AuditConfig, Auditor
+
+        self.auditor = Auditor(self.store, engines, AuditConfig(rate=config.audit, budget=config.audit_budget,
+                                                                judge=config.audit_judge, seed=config.audit_seed),
+                               self.metrics, self.hub)
+        self.metrics.add_audit(self.auditor.report)
         self.pool = WorkerPool(self.store, [Device(n, e) for n, e in zip(names, engines)], self.hub, self.metrics,
-                               fps=config.fps)
+                               fps=config.fps, auditor=self.auditor if self.auditor.enabled else None)
         self.policies = tuple(policy_names())
         limit = self.engine.adapter.limits().max_steps
         self.max_steps = min(limit, config.max_steps) if config.max_steps else limit
@@ -172,20 +184,17 @@ class Service:
         self._started = False
         self._stopping = threading.Event()
 
-    def validate(self, params: dict[str, Any], tenant: str) -> None:
-        """InvalidRequestError (a CarnatorError) when the engine would refuse the request; else fills in ``params``'
-        unset settings with the model's defaults, so that the job's ``request`` is the request as run."""
+    def validate(self, params: Params) -> Params:
+        """InvalidRequestError (a CarnatorError) when the engine would refuse the request; else ``params`` with its
+        unset settings filled in with the model's defaults, so that the job's ``request`` is the request as run."""
         from ..errors import InvalidRequestError
 
-        steps = params.get("num_inference_steps")
+        steps = params.num_inference_steps
         if steps is not None and steps > self.max_steps:
             raise InvalidRequestError(f"num_inference_steps must be at most {self.max_steps} on this server, got {steps}")
-        self.engine.policy(params.get("policy", "carnator"))
-        req = self.engine.resolve(params["prompt"], seed=params["seed"], tenant=tenant,
-                                  negative_prompt=params.get("negative_prompt"), num_inference_steps=steps,
-                                  num_frames=params.get("num_frames"), height=params.get("height"),
-                                  width=params.get("width"), guidance_scale=params.get("guidance_scale"))
-        params.update(req.settings())
+        self.engine.policy(params.policy)
+        req = self.engine.resolve(params.prompt, seed=params.seed, **params.settings())
+        return dataclasses.replace(params, **req.settings())
 
     def start(self) -> None:
         if self._started:
@@ -344,7 +353,7 @@ class _NoBindError(logging.Filter):
 class _Server:
     """uvicorn's server, printing the URL once listening and starting the drain at the first signal."""
 
-    def __new__(cls, config, service: Service, say: Callable[[str], None]):
+    def __new__(cls, config: Any, service: Service, say: Callable[[str], None]) -> Any:  # a uvicorn.Server
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -413,7 +422,8 @@ def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
                       max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
                       allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts,
                       store=args.store, blobs=args.blobs, replicas=args.replicas or 0, ray_address=args.ray_address,
-                      router=args.router, retention_s=retention_s,
+                      router=args.router, retention_s=retention_s, audit=args.audit, audit_budget=args.audit_budget,
+                      audit_judge=args.audit_judge,
                       engine_config=dict(engine_config or {}))
     logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     sys.stdout.flush()

@@ -22,6 +22,7 @@ from typing import Any
 import tenacity
 
 from ..errors import CacheError, Cancelled, CarnatorError, InvalidRequestError
+from ..request import Params
 from ..video import write_video
 from .events import DONE, EventHub
 from .jobs import CANCELLED, COMPLETED, FAILED, Job, JobStore, JobStoreError, JobStoreUnavailable, JobTableLost
@@ -188,7 +189,7 @@ class WorkerPool:
     """The worker threads and what they share: the job store, the fair queue, event hub and metrics."""
 
     def __init__(self, store: JobStore, devices: Sequence[Device], hub: EventHub, metrics: ServiceMetrics, *,
-                 fps: int = 8, poll_s: float = 0.5):
+                 fps: int = 8, poll_s: float = 0.5, auditor: Any = None):
         self.store, self.devices, self.hub, self.metrics = store, list(devices), hub, metrics
         self.queue = FairQueue(store)
         self.fps = fps
@@ -205,6 +206,9 @@ class WorkerPool:
         self.drained: list[str] = []
         self._down_since: float | None = None  # when the job table stopped answering the workers' polls
         self._down_lock = threading.Lock()
+        #: shadow audits (:class:`carnator.service.audit.Auditor`), run when no job waits; None: none
+        self.auditor = auditor
+        self._queued_seq = 0   # bumped by every notify: an audit yields when it changes
 
     # ---- control -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -215,6 +219,7 @@ class WorkerPool:
 
     def notify(self) -> None:
         """A job was queued."""
+        self._queued_seq += 1
         with self._wake:
             self._wake.notify_all()
 
@@ -264,6 +269,9 @@ class WorkerPool:
                 job = None
             else:
                 self._poll_worked()
+            if job is None and self.auditor is not None and self.auditor.ready():
+                self._audit(dev)
+                continue
             if job is None:
                 with self._wake:
                     if not self._draining.is_set():
@@ -297,6 +305,27 @@ class WorkerPool:
         if since is not None:
             log.warning("the workers take jobs again: the job table answers (it did not for %.0f s)",
                         time.monotonic() - since)
+    def _audit(self, dev: Device) -> None:
+        """One shadow audit on this device, yielding at its next step boundary once a job waits."""
+        seen = [self._queued_seq]
+        last = [float("-inf")]   # the first step asks the store (a job queued before this audit began)
+
+        def preempt() -> bool:
+            if self._draining.is_set():
+                return True
+            now = time.monotonic()
+            if self._queued_seq == seen[0] and now - last[0] < self.poll_s:
+                return False
+            seen[0], last[0] = self._queued_seq, now
+            try:
+                return bool(self.store.queued_tenants())
+            except Exception:  # noqa: BLE001 - a store that cannot say: let the worker look
+                return True
+
+        try:
+            self.auditor.run_one(dev.engine, preempt)
+        except Exception:  # never lose the worker
+            log.exception("a shadow audit failed unexpectedly")
 
     def _run(self, dev: Device, job: Job) -> None:
         eng, p = dev.engine, job.params
@@ -334,12 +363,8 @@ class WorkerPool:
             return self._stopped_job(job)
         t0 = time.perf_counter()
         try:
-            res = eng.generate(
-                p["prompt"], seed=p["seed"], policy=p.get("policy", "carnator"), negative_prompt=p.get("negative_prompt"),
-                num_inference_steps=p.get("num_inference_steps"), num_frames=p.get("num_frames"), height=p.get("height"),
-                width=p.get("width"), guidance_scale=p.get("guidance_scale"), tenant=job.tenant,
-                cache=p.get("cache", "reuse"), store=p.get("store", True), progress=progress, cancel=cancel, events=events,
-            )
+            params = Params.from_dict({"cache": "reuse", **p}, tenant=job.tenant)
+            res = eng.run(params, progress=progress, cancel=cancel, events=events)
         except Cancelled:
             return self._stopped_job(job)
         except InvalidRequestError as e:
@@ -376,6 +401,8 @@ class WorkerPool:
         if summary["tier"] == "miss":
             self.estimate.add(key, summary["seconds"])
         self._finish(job, COMPLETED, stats=summary, videos=videos, wall=wall, dev=dev)
+        if self.auditor is not None:
+            self.auditor.offer(job, res, summary)
 
     def _retry(self, dev: Device, job: Job, reason: str) -> None:
         """Record the engine's retry of ``job`` as its next attempt (counted, logged, ``requeued`` in the metrics);
@@ -427,10 +454,13 @@ class WorkerPool:
 
         ok = tenacity.Retrying(retry=tenacity.retry_if_exception(unreachable), before_sleep=waiting, reraise=True,
                                wait=tenacity.wait_exponential(multiplier=0.25, max=FINISH_RETRY_MAX_S),
-                               sleep=lambda s: self._draining.wait(s))(finish_once)
+                               sleep=self._sleep_unless_draining)(finish_once)
         if tries[0] > 1:
             log.warning("job %s recorded as %s now that its job table is back", job.id, status)
         return ok
+
+    def _sleep_unless_draining(self, seconds: float) -> None:
+        self._draining.wait(seconds)
 
     def _finish(self, job: Job, status: str, *, stats=None, error=None, videos=None, wall: float | None = None,
                 dev: Device | None = None) -> None:

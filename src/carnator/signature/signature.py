@@ -73,7 +73,7 @@ class NounSignature:
             lab = tuple(float(v) for v in np.asarray(self.lab, dtype=np.float64).reshape(-1))
             if len(lab) != 3:
                 raise ValueError(f"lab must have 3 components, got {len(lab)}")
-            self.lab = lab  # type: ignore[assignment]
+            self.lab = lab
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, NounSignature):
@@ -205,7 +205,7 @@ def noun_signature(noun: str, region: EvidenceRegion | np.ndarray, tail_rgb: np.
         noun=normalize_noun(noun),
         mask_tail=mask.copy(),
         area=float(mask.mean()),
-        lab=None if lab is None else tuple(float(v) for v in lab),
+        lab=None if lab is None else (float(lab[0]), float(lab[1]), float(lab[2])),
     )
 
 

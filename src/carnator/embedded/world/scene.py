@@ -15,6 +15,7 @@ colours; an object colour is only used on a background it differs from by >= 25,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,7 @@ def srgb_to_lab(rgb: np.ndarray) -> np.ndarray:
     """sRGB in [0,1] (..., 3) -> CIELAB (D65). Keeps float32 input float32, else float64."""
     rgb = np.asarray(rgb)
     dt = np.float32 if rgb.dtype == np.float32 else np.float64
-    c = rgb.astype(dt, copy=False)
+    c: np.ndarray[Any, np.dtype[np.floating]] = rgb.astype(dt, copy=False)
     lin = np.where(c > 0.04045, ((c + 0.055) / 1.055) ** 2.4, c / 12.92)
     xyz = lin @ (_RGB2XYZ / _WHITE[:, None]).T.astype(dt)
     f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787 * xyz + 16 / 116)
