@@ -729,3 +729,37 @@ def test_opening_waits_for_another_process_to_release_a_fresh_database(tmp_path)
     with pytest.raises(CacheError, match="cannot use WAL mode"):
         CacheBank(tmp_path / "b", busy_timeout_s=0.2)
     holder.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_removal_is_a_tombstone_not_a_rebuild(backend):
+    """Removing ids (an eviction, synced by every replica) marks their rows dead: no copy of the scope's vectors, no
+    new FAISS index; searches leave them out and equal a fresh index of the live rows, id for id and score for
+    score; once a quarter of the rows are dead they are compacted away."""
+    from carnator.cache.index import ScopeIndex
+
+    rng = np.random.default_rng(0)
+    vecs = rng.standard_normal((400, 16)).astype(np.float32)
+    ids = [f"e{i}" for i in range(400)]
+    index = ScopeIndex(16, backend)
+    index.add(ids, vecs)
+    queries = rng.standard_normal((5, 16)).astype(np.float32)
+    index.search(queries[0], 3)  # (FAISS: its index is built at the first search)
+    flat, buf = index._flat, index._vecs
+    gone = set(ids[::7])  # 58 of 400: below the compaction share
+    assert index.remove([*gone, "unknown"]) == len(gone)
+    assert index._flat is flat and np.shares_memory(index._vecs, buf) and index.tombstones == len(gone)
+    assert len(index) == 400 - len(gone)
+    fresh = ScopeIndex(16, backend)
+    fresh.add([e for e in ids if e not in gone], vecs[[i for i, e in enumerate(ids) if e not in gone]])
+    for q in queries:
+        for k in (1, 5, 50, 400):
+            assert index.search(q, k) == fresh.search(q, k)
+    assert index.score(list(gone)[:3] + ids[1:3], queries[0]) == fresh.score(ids[1:3], queries[0])
+    index.add(["new"], vecs[:1])
+    fresh.add(["new"], vecs[:1])
+    assert index.search(queries[1], 10) == fresh.search(queries[1], 10)
+    index.remove(ids[1:60])  # past a quarter dead: compacted
+    assert index.tombstones == 0 and len(index) == len(index.ids)
+    fresh.remove(ids[1:60])
+    assert index.search(queries[2], 20) == fresh.search(queries[2], 20)

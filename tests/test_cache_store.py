@@ -317,6 +317,27 @@ def test_capacity_is_the_stores_not_the_openers(open_store):
         assert second.stats().count == 3
 
 
+def test_a_tenant_past_its_quota_evicts_its_own_oldest_entries_first(open_store):
+    """With a per-tenant quota of 2 entries' bytes, a tenant's third admission evicts that tenant's oldest entry,
+    never another tenant's (even where that one is older and least recently used); the quota is the store's, kept
+    for every opener; an entry larger than the quota is not stored."""
+    with open_store() as probe:
+        size = probe.get(probe.admit(_spec())).nbytes
+        probe.clear()
+    with open_store() as first:
+        assert first.configure(tenant_quota_bytes=2 * size).tenant_quota_bytes == 2 * size
+    with open_store() as s:
+        other = s.admit(_spec(tenant="b", prompt="b0"))
+        mine = [s.admit(_spec(tenant="a", prompt=f"a{i}")) for i in range(4)]
+        assert [e.id for e in s.entries("a")] == mine[2:]
+        assert [e.id for e in s.entries("b")] == [other]
+        s.configure(tenant_quota_bytes=None)
+        s.admit(_spec(tenant="a", prompt="a4"))
+        assert s.stats("a").count == 3
+        s.configure(tenant_quota_bytes=size // 2)
+        assert s.admit(_spec(tenant="c", prompt="c0")) is None and s.stats("c").count == 0
+
+
 # -- hardening: unreadable blobs --------------------------------------------------------------------
 
 

@@ -43,6 +43,27 @@ def test_only_the_embedded_adapter_offers_graphs():
     ad.use_cuda_graphs(False)  # off is always fine
 
 
+def test_graphs_are_the_default_on_a_cuda_device_only(tmp_path):
+    """``EngineConfig.cuda_graphs`` None (the default, also ``carnator serve --device cuda``'s): on for a CUDA device
+    where the family has them and no intra-request cache runs; the CPU keeps the eager forward. Given: as given."""
+    from carnator import Carnator, EngineConfig
+    from carnator.engine import cuda_graphs_for
+    from carnator.service.server import ServeConfig
+
+    assert EngineConfig().cuda_graphs is None
+    assert cuda_graphs_for(None, device="cuda", supported=True, intra_cache=False) is True
+    assert cuda_graphs_for(None, device="cuda:1", supported=True, intra_cache=False) is True
+    assert cuda_graphs_for(None, device=torch.device("cuda", 0), supported=True, intra_cache=False) is True
+    assert cuda_graphs_for(None, device="cpu", supported=True, intra_cache=False) is False
+    assert cuda_graphs_for(None, device="cuda", supported=False, intra_cache=False) is False  # Wan, ...: not refused
+    assert cuda_graphs_for(None, device="cuda", supported=True, intra_cache=True) is False
+    assert cuda_graphs_for(False, device="cuda", supported=True, intra_cache=False) is False
+    assert cuda_graphs_for(True, device="cpu", supported=True, intra_cache=False) is True
+    assert "cuda_graphs" not in ServeConfig(device="cuda").engine_config  # serve's engines take the default
+    eng = Carnator.from_pretrained("embedded", cache_dir=tmp_path, device="cpu")
+    assert eng.cuda_graphs is False and eng.adapter._cuda_graphs is False
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graphed_generation_equals_eager_on_cuda(tmp_path):
     """Dense and a carnator miss (probe recording, mask capture every 5th step: eager there, graphed elsewhere)."""

@@ -497,3 +497,31 @@ def test_a_bad_engine_config_is_a_clear_error(kw, words):
     with pytest.raises(ValueError, match=words):
         EngineConfig(**kw)
     EngineConfig(capture_steps=[0, 4], latent_dtype="float16")  # valid ones pass
+
+
+def test_an_engine_without_its_transformer_checks_and_embeds_but_holds_no_weights(tmp_path):
+    """``dit=False`` (``carnator serve --replicas``' ingress): the transformer (and for a diffusers model the text
+    encoder and VAE) are shapes on the meta device, no bytes of weights; requests resolve and key as with the full
+    engine, prompts embed, and generating is refused in one line."""
+    from carnator.testing import tiny_wan
+
+    def weight_bytes(module):
+        return sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type != "meta")
+
+    tiny_wan().save_pretrained(tmp_path / "wan")
+    for model, parts in (("embedded", ("transformer",)), (str(tmp_path / "wan"), ("transformer", "text_encoder", "vae"))):
+        full = Carnator.from_pretrained(model, cache_dir=tmp_path / "full", device="cpu", embedder=hashed_embedder())
+        # (the embedded model's identity is its weights' checksum, known without them; a diffusers model's comes from
+        # an engine that has its weights: a replica)
+        given = {} if model == "embedded" else {"model_identity": full.model_identity}
+        front = Carnator.from_pretrained(model, cache_dir=tmp_path / "front", device="cpu", embedder=hashed_embedder(),
+                                         dit=False, **given)
+        assert full.dit and not front.dit and weight_bytes(full.pipe.transformer) > 0
+        assert all(weight_bytes(getattr(front.pipe, n)) == 0 for n in parts), model
+        req, ref = (e.resolve("a red ball moving left on grass", seed=3) for e in (front, full))
+        assert req == ref and front.compat_key(req) == full.compat_key(ref) and front.policy("carnator").name == "carnator"
+        assert np.array_equal(front.embed(req.prompt), full.embed(req.prompt))
+        with pytest.raises(InvalidRequestError):
+            front.resolve("a red ball", seed=3, num_frames=10_000)
+        with pytest.raises(CarnatorError, match="without its transformer"):
+            front.generate("a red ball moving left on grass", seed=3)

@@ -91,3 +91,53 @@ def test_a_restart_of_postgresql_does_not_let_a_second_server_take_the_job_table
             assert finished["status"] == "completed" and finished["attempts"] == 1
             assert c.content(job)[4:8] == b"ftyp"
         assert a.stop() == 0
+
+
+def wait_for_line(server, text, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in server.lines):
+        assert time.monotonic() < deadline, f"no line with {text!r}:\n{server.output[-3000:]}"
+        time.sleep(0.1)
+
+
+def test_an_outage_of_postgresql_is_said_once_and_a_job_ending_in_it_is_recorded_when_it_is_back(private_postgres,
+                                                                                                  tmp_path):
+    """PostgreSQL stops under a running server: the idle workers' polls fail, which the log says once (and once
+    that they work again), not at every poll; a job that ends during the outage is recorded as completed when the
+    database is back, by the same process, in its first attempt, its video served."""
+    url = f"{private_postgres.url}?schema=served"
+    args = ["--store", url, "--blobs", str(tmp_path / "blobs")]
+    with ServerProcess(tmp_path / "a", args) as a:
+        private_postgres.pause()
+        time.sleep(3)  # six polls of an idle worker
+        private_postgres.resume()
+        wait_for_line(a, "the workers take jobs again")
+        assert sum("could not take a job" in line for line in a.lines) == 1, a.output[-3000:]
+        deadline = time.monotonic() + 30
+        while True:  # the first call after the restart may find the job table's connection broken: 503, then 202
+            r = httpx.post(f"{a.url}/v1/videos", json={"prompt": PROMPT, "seed": 4, "num_inference_steps": 100,
+                                                       "cache": "off", "store": False}, timeout=30)
+            if r.status_code == 202 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 202, r.text
+        job = r.json()["id"]
+        with Client(a.url) as c:
+            while c.get(job)["progress"] < 5:
+                time.sleep(0.1)
+            private_postgres.pause()
+            wait_for_line(a, f"job {job} ended (completed) while its job table is unreachable")
+            private_postgres.resume()
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    finished = c.get(job)
+                except Exception:  # noqa: BLE001 - 503 until the job table's connection is back
+                    finished = {"status": "?"}
+                if finished["status"] == "completed" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert finished["status"] == "completed" and finished["attempts"] == 1, finished
+            assert c.content(job)[4:8] == b"ftyp"
+        assert a.stop() == 0
+    assert sum("could not take a job" in line for line in a.lines) <= 2, a.output[-3000:]

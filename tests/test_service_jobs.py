@@ -85,6 +85,52 @@ def test_lifecycle_tenant_scoping_and_one_completion(store, tmp_path):
     assert [h["kind"] for h in store.history(job.id)] == ["submitted", "claimed", COMPLETED]
 
 
+def test_retention_deletes_finished_jobs_and_their_videos_only(store):
+    """``expire(before)``: jobs that finished before it go with their log and videos; a job that finished later,
+    a queued and a running one stay. ``carnator serve --retention`` (7 days by default, 0: forever) says when."""
+    import time
+
+    from carnator.service.server import DEFAULT_RETENTION_S, ServeConfig, parse_duration
+
+    old, failed, fresh, running, queued = (store.submit("a", {**P, "seed": i})[0] for i in range(5))
+    for job in (old, failed, fresh, running):
+        assert store.claim("a", "w").id == job.id
+    staged = store.staging_path(old.id, "mp4")
+    staged.write_bytes(b"video")
+    assert store.finish(old.id, 1, COMPLETED, stats={}, videos={"mp4": staged})
+    assert store.finish(failed.id, 1, FAILED, error={"type": "x", "message": "y"})
+    cut = time.time() + 0.001
+    time.sleep(0.01)
+    assert store.finish(fresh.id, 1, CANCELLED)
+    video = store.video_path("a", old.id, "mp4")
+    assert sorted(store.expire(cut)) == sorted([old.id, failed.id])
+    assert store.get("a", old.id) is None and store.get("a", failed.id) is None and not video.exists()
+    assert store.history(old.id) == []
+    assert [store.get("a", j.id).status for j in (fresh, queued, running)] == [CANCELLED, QUEUED, IN_PROGRESS]
+    assert store.expire(cut) == []
+    assert ServeConfig().retention_s == DEFAULT_RETENTION_S == 7 * 86400
+    assert [parse_duration(t) for t in ("7d", "12h", "30m", "45s", "3600", "0", "1w")] == [
+        604800, 43200, 1800, 45, 3600, 0, 604800]
+
+
+def test_retry_starts_the_next_attempt_in_place(store):
+    """An engine that starts a job over (its replica died): the attempt ends, counted and logged, and the same worker
+    holds the next one; a stale attempt or a job whose cancellation was asked changes nothing."""
+    job = store.submit("a", P)[0]
+    store.claim("a", "w")
+    store.update_progress(job.id, 1, 40)
+    assert store.retry(job.id, 1, "w", "replica r1 failed mid-job") == 2
+    got = store.get("a", job.id)
+    assert (got.status, got.attempts, got.progress, got.worker) == (IN_PROGRESS, 2, 0, "w")
+    assert store.retry(job.id, 1, "w", "stale") is None and not store.finish(job.id, 1, COMPLETED, stats={})
+    assert [(h["kind"], h["attempt"]) for h in store.history(job.id)] == [
+        ("submitted", 0), ("claimed", 1), ("requeued", 1), ("claimed", 2)]
+    assert "replica r1 failed mid-job" in store.history(job.id)[2]["detail"]
+    store.cancel("a", job.id)
+    assert store.retry(job.id, 2, "w", "again") is None
+    assert store.finish(job.id, 2, CANCELLED) and store.get("a", job.id).attempts == 2
+
+
 def test_idempotency_replays_and_conflicts(store):
     h = request_hash({"prompt": "x"})
     j1, c1 = store.submit("a", P, idempotency_key="k1", request_hash=h)
@@ -424,6 +470,8 @@ def test_serve_command_line_mistakes_are_one_line(tmp_path, capsys):
     bad.write_text("{nope")
     assert "is not JSON" in err("--keys", str(bad))
     assert "expected an integer" in err("--port", "70000")
+    assert "--retention: expected a duration like 7d" in err("--retention", "soon")
+    assert "--tenant-quota: expected a size" in err("--tenant-quota", "lots")
 
 
 def test_a_late_event_subscriber_still_gets_the_running_attempts_decision():

@@ -274,7 +274,7 @@ def _engine(args):
         if capacity is None:
             raise CarnatorError("--capacity none: generating only sets a bound; lift it with `carnator cache config --capacity none`")
     config = EngineConfig(intra_cache=intra, capacity_bytes=capacity, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
-                          cuda_graphs=getattr(args, "cuda_graphs", False), policy_options=_policy_options(getattr(args, "option", [])))
+                          cuda_graphs=getattr(args, "cuda_graphs", None), policy_options=_policy_options(getattr(args, "option", [])))
     dtype = getattr(args, "dtype", None)
     torch_dtype = None
     if dtype is not None and args.model != "embedded":
@@ -852,8 +852,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
     k.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="generate the pairs in N worker processes (set OMP_NUM_THREADS so that N x threads fits the cores)")
-    k.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
+    k.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size; "
+                        "default: on a CUDA device)")
     k.add_argument("--select-only", action="store_true",
                    help="generate no pairs: select and certify from every pair already in --out (e.g. under another --rule, "
                         "--delta or quality rule)")
@@ -886,8 +887,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the policies in N processes at once (each loads the model; on a GPU the small embedded model "
                         "leaves room for several). Hits and quality equal a one-process run's; the speed columns are then "
                         "measured while the policies share the machine, so take speed from a --jobs 1 run")
-    b.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size)")
+    b.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size; "
+                        "default: on a CUDA device)")
     b.add_argument("--latent-dtype", choices=["float32", "float16"], default=None,
                    help="dtype of the latents stored with every entry (default float16; float32 doubles the cache for exact latents)")
     b.set_defaults(worker=False, shard={})  # set by _worker only
@@ -932,6 +934,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most denoising steps a job may ask for (default: the model's limit)")
     s.add_argument("--max-attempts", type=_int_in(1, 100), default=2, metavar="N",
                    help="times a job is started before a server stopping mid-job fails it (default: %(default)s)")
+    s.add_argument("--retention", default="7d", metavar="DURATION",
+                   help="finished jobs (completed, failed, cancelled) and their videos are deleted this long after they "
+                        "end, e.g. 7d, 12h, 30m, 3600 (seconds); 0 keeps them forever (default: %(default)s)")
+    s.add_argument("--tenant-quota", default=None, metavar="SIZE",
+                   help="cache bytes one tenant may keep, e.g. 2GiB: an admission past it evicts that tenant's oldest "
+                        "entries first, never another tenant's (stored in the cache for every server and replica that "
+                        "opens it; default: no quota, only the cache's capacity)")
     _add_store_args(s, serve=True)
     s.add_argument("--replicas", type=_int_in(1, 1024), default=None, metavar="N",
                    help="run N engine replicas on Ray Serve behind this server (one GPU each with --device cuda, else one "
@@ -1036,7 +1045,10 @@ def cmd_serve(args) -> int:
     except ImportError as e:  # fastapi, uvicorn, ... (the serve extra)
         raise CarnatorError(f"carnator serve needs the serve extra: pip install 'carnator[serve]' ({e.name} is missing)") from None
     options = getattr(args, "option", None) or []
-    return main_args(args, engine_config={"policy_options": _policy_options(options)} if options else {})
+    engine_config: dict = {"policy_options": _policy_options(options)} if options else {}
+    if args.tenant_quota is not None:
+        engine_config["tenant_quota_bytes"] = parse_size(args.tenant_quota, "--tenant-quota")
+    return main_args(args, engine_config=engine_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from .backbones.base import BackboneAdapter
 from .backbones.registry import adapter_for
 from .cache.keys import content_key
 from .cache.protocol import CacheStore
-from .errors import GenerationError, InvalidRequestError, ModelLoadError
+from .errors import CarnatorError, GenerationError, InvalidRequestError, ModelLoadError
 from .plan import Decision, DecisionInputs
 from .policies import ModelInfo, Policy, get_policy_class, policy_names
 from .request import CACHE_MODES, Params, Request, Result, Stats, to_uint8
@@ -59,8 +59,9 @@ class EngineConfig:
         re-roll hit's frames differ from float32 storage's by at most 1/255 at a few pixels, lab/scripts/entry_dtype.py;
         "float32" keeps them exact).
     store_video: keep the decoded video with the entry, so an identical request is an exact hit.
-    capacity_bytes, eviction: when set, stored as the cache's own capacity (bytes) and eviction policy ("lru",
-        "lcbfu") with ``CacheBank.configure`` when the engine opens it; None (default) keeps what the cache has.
+    capacity_bytes, eviction, tenant_quota_bytes: when set, stored as the cache's own capacity (bytes), eviction
+        policy ("lru", "lcbfu") and per-tenant quota (bytes: past it a tenant's admission evicts its own oldest
+        entries) with ``CacheBank.configure`` when the engine opens it; None (default) keeps what the cache has.
     policy_options: per policy name, its config fields (``{"carnator": {"modifiers": 1}}``).
     intra_cache: one of diffusers' per-request caches applied to the transformer under every policy
         (None = off): a kind name, "KIND:opt=value,...", or {"kind": KIND, opt: value}; kinds first_block,
@@ -68,7 +69,9 @@ class EngineConfig:
         the transformer, so an engine with one runs its requests one at a time.
     cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
         applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
-        launch-bound models; the results are the eager forward's.
+        launch-bound models; the results are the eager forward's. None (the default): on where the model runs on a
+        CUDA device, its family supports it and no intra-request cache runs (:func:`cuda_graphs_for`); off on the CPU.
+        True asks for it (refused for a family without it); False turns it off.
     admission_judge: the quality judge (a :func:`~carnator.judges.get_judge` spec; "auto", the default: ``shapes``, the
         embedded model's own judge, on the embedded model, else none)
         that scores every stored request's own output, after decode; its scores go into the entry (``quality``) and the
@@ -94,9 +97,10 @@ class EngineConfig:
     store_video: bool = True
     capacity_bytes: int | None = None
     eviction: str | None = None
+    tenant_quota_bytes: int | None = None
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     intra_cache: str | dict[str, Any] | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     allow_uncertified: bool = True
     admission_judge: str | None = "auto"
     admission_rule: dict[str, float] = field(default_factory=lambda: {"fidelity": 0.75, "artifact": 0.1})
@@ -111,6 +115,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.capture_steps: a list of step indices must hold ints, got {list(cs)!r}")
         if self.latent_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f'EngineConfig.latent_dtype must be "float32", "float16" or "bfloat16", got {self.latent_dtype!r}')
+
+
+def cuda_graphs_for(setting: bool | None, *, device: str | torch.device, supported: bool, intra_cache: bool) -> bool:
+    """Whether an engine replays idle forwards as CUDA graphs: ``setting`` (``EngineConfig.cuda_graphs``) when given,
+    else (None) the fast configuration where it applies: a CUDA ``device``, a family that ``supported`` them, no
+    ``intra_cache``."""
+    if setting is not None:
+        return bool(setting)
+    return torch.device(device).type == "cuda" and supported and not intra_cache
 
 
 @dataclass(frozen=True)
@@ -145,12 +158,15 @@ class Carnator:
 
     def __init__(self, pipe: Any, cache_dir: str | os.PathLike | CacheStore | None = None, *, config: EngineConfig | None = None,
                  embedder: Callable[[str], np.ndarray] | None = None, adapter: BackboneAdapter | None = None, nouns: Callable[[str], list[str]] | None = None,
-                 thresholds: str | os.PathLike | None = None):
+                 thresholds: str | os.PathLike | None = None,
+                 model_identity: str | None = None):
         """``cache_dir``: the cache directory (default: ``$CARNATOR_CACHE_DIR`` or ``~/.cache/carnator``) or an open
         :class:`~carnator.cache.CacheStore`. ``embedder``: the recall embedder (default MiniLM). ``nouns``: the noun
         extractor (default: the adapter's, :meth:`~carnator.backbones.base.BackboneAdapter.noun_extractor`).
         ``thresholds``: a thresholds file from ``carnator calibrate`` for the carnator policy (the same as
-        ``policy_options={"carnator": {"thresholds": PATH}}``; refused, in one line, for another model or reading)."""
+        ``policy_options={"carnator": {"thresholds": PATH}}``; refused, in one line, for another model or reading).
+        ``model_identity``: the model's identity as an engine with its weights computed it (for a pipeline whose
+        transformer has no weights here, see ``from_pretrained(dit=False)``)."""
         self.pipe = pipe
         self.adapter = adapter if adapter is not None else adapter_for(pipe)
         self.config = config or EngineConfig()
@@ -183,12 +199,18 @@ class Carnator:
         self._text_lock = threading.Lock()  # fast tokenizers refuse concurrent calls with other settings ("Already borrowed")
         self._warned: set[str] = set()
         self._loader: ThreadPoolExecutor | None = None
-        self.model_identity = self.adapter.model_identity()
+        #: whether the pipeline's transformer has its weights here (False: ``from_pretrained(dit=False)``, no generation)
+        self.dit = _device_type(self.adapter.transformer) != "meta"
+        self.model_identity = model_identity or self.adapter.model_identity()
         from .intra_cache import IntraCacheSpec
 
         self.intra_cache_spec = IntraCacheSpec.parse(self.config.intra_cache)
         self.adapter.use_intra_cache(self.intra_cache_spec)  # an unsupported kind fails here, before any request
-        self.adapter.use_cuda_graphs(self.config.cuda_graphs)
+        #: whether idle forwards replay as CUDA graphs (``EngineConfig.cuda_graphs``; None: on a CUDA device)
+        self.cuda_graphs = cuda_graphs_for(self.config.cuda_graphs, device=self.adapter.device,
+                                           supported=self.adapter.supports_cuda_graphs,
+                                           intra_cache=self.intra_cache_spec is not None)
+        self.adapter.use_cuda_graphs(self.cuda_graphs)
         # diffusers' intra-request caches keep their state in hooks on the transformer: their requests take turns
         self._serial = threading.Lock() if self.intra_cache_spec is not None else None
         for name, opts in self.config.policy_options.items():  # a bad option or thresholds file fails here, not later
@@ -198,9 +220,15 @@ class Carnator:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str = "embedded", cache_dir: str | os.PathLike | None = None, *, device: str | None = None,
-                        torch_dtype: torch.dtype | None = None, blobs: str | os.PathLike | None = None, **kwargs: Any) -> Carnator:
+                        torch_dtype: torch.dtype | None = None, blobs: str | os.PathLike | None = None, dit: bool = True,
+                        **kwargs: Any) -> Carnator:
         """Load ``model``: "embedded" (the shipped shapes-world model) or a local diffusers directory. ``cache_dir``: a
-        directory, ``sqlite:///path`` or a ``postgresql://`` URL (then ``blobs`` says where its blobs live)."""
+        directory, ``sqlite:///path`` or a ``postgresql://`` URL (then ``blobs`` says where its blobs live).
+
+        ``dit=False``: an engine that resolves and checks requests, reads their text and embeds them for recall, but
+        never generates (``carnator serve --replicas``' ingress): the transformer is built on the meta device (its
+        shapes and config, no weights, no memory), and so, for a diffusers model, are the text encoder and the VAE;
+        pass the ``model_identity`` an engine with the weights reports (the embedded model's is its checksum's)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         _check_device(device)
         class_name = None if model == "embedded" else _pipeline_class(model)
@@ -210,15 +238,18 @@ class Carnator:
             from .backbones.embedded import EmbeddedAdapter
             from .embedded import load_pipeline
 
-            pipe = load_pipeline(device=device)
+            pipe = load_pipeline(device=device, dit=dit)
             return cls(pipe, store, adapter=EmbeddedAdapter(pipe), **kwargs)
         import diffusers
 
         try:
-            pipe = getattr(diffusers, class_name).from_pretrained(str(model), torch_dtype=torch_dtype, local_files_only=True)
+            parts = {} if dit else _meta_components(Path(model), ("transformer", "text_encoder", "vae"))
+            pipe = getattr(diffusers, class_name).from_pretrained(str(model), torch_dtype=torch_dtype, local_files_only=True,
+                                                                  **parts)
         except Exception as e:  # diffusers raises many types for broken directories
             raise ModelLoadError(f"could not load {class_name} from {model}: {_first_line(e)}") from e
-        pipe = pipe.to(device)
+        if dit:
+            pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, store, **kwargs)
 
@@ -358,6 +389,9 @@ class Carnator:
         recall -> probe -> decide -> plan -> denoise -> store (:mod:`carnator.stages`)."""
         if not isinstance(params, Params):
             raise TypeError(f"Carnator.run takes a carnator.request.Params, got {type(params).__name__}")
+        if not self.dit:
+            raise CarnatorError("this engine was built without its transformer (dit=False): it resolves, checks and "
+                                "embeds requests, it does not generate them")
         t_start = time.perf_counter()
         pol = self.policy(params.policy)
         mode = pol.default_cache if params.cache is None else params.cache
@@ -394,7 +428,7 @@ class Carnator:
         ad, pol, stats = self.adapter, rs.policy, rs.stats
         # (Engines sharing one adapter may differ in their intra-request cache and CUDA graphs: apply this engine's.)
         intra = ad.use_intra_cache(self.intra_cache_spec)
-        ad.use_cuda_graphs(self.config.cuda_graphs)
+        ad.use_cuda_graphs(self.cuda_graphs)
         if intra is not None:
             intra.start_request()  # diffusers resets hook state at the end of a pipeline call; we drive the loop, so here
         self._encode(rs, progress)
@@ -611,6 +645,33 @@ def _notes(dec: Decision) -> dict[str, Any]:
     return out
 
 
+def _device_type(module: Any) -> str | None:
+    p = next(iter(module.parameters()), None) if isinstance(module, torch.nn.Module) else None
+    return None if p is None else p.device.type
+
+
+def _meta_components(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
+    """The pipeline's components ``names``, each built from its config on the meta device (no weights read)."""
+    index = json.loads((path / "model_index.json").read_text())
+    out: dict[str, Any] = {}
+    for name in names:
+        lib, klass = (index.get(name) or (None, None))[:2]
+        if lib is None or klass is None:
+            continue
+        with torch.device("meta"):
+            if lib == "diffusers":
+                import diffusers
+
+                cls_ = getattr(diffusers, klass)
+                out[name] = cls_.from_config(cls_.load_config(str(path / name)))
+            elif lib == "transformers":
+                import transformers
+
+                cls_ = getattr(transformers, klass)
+                out[name] = cls_(transformers.AutoConfig.from_pretrained(str(path / name), local_files_only=True))
+    return out
+
+
 def _pipeline_class(model: str | os.PathLike) -> str:
     """The supported diffusers pipeline class named by the local directory ``model``; ModelLoadError otherwise."""
     path = Path(model)
@@ -638,7 +699,8 @@ def _open_store(cache_dir: str | os.PathLike | CacheStore | None, config: Engine
         store = open_store(cache_dir, blobs=blobs)
     else:
         store = cache_dir
-    settings = {k: v for k, v in (("capacity_bytes", config.capacity_bytes), ("eviction", config.eviction)) if v is not None}
+    settings = {k: v for k, v in (("capacity_bytes", config.capacity_bytes), ("eviction", config.eviction),
+                                  ("tenant_quota_bytes", config.tenant_quota_bytes)) if v is not None}
     if settings:
         store.configure(**settings)  # the cache's own settings, for every process that opens it
     return store

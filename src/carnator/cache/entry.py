@@ -71,11 +71,14 @@ class CacheSettings:
     """The store's own settings, kept in its database: every process that opens the directory uses them.
 
     ``capacity_bytes``: total blob bytes to keep (None: unbounded); ``eviction``: the registered eviction policy
-    that picks victims when an admission needs room.
+    that picks victims when an admission needs room; ``tenant_quota_bytes``: blob bytes one tenant may keep (None:
+    no quota): an admission past it evicts that tenant's oldest entries first (no other tenant's), so one tenant can
+    neither fill the shared capacity nor evict the others' entries beyond its share.
     """
 
     capacity_bytes: int | None = None
     eviction: str = "lru"
+    tenant_quota_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ the FAISS backend (``IndexFlatIP``) shortlists candidates, which are then re-sco
 numpy backend scores them. If the shortlist cannot be proven to contain the true top-k (near-ties at
 its edge), the search falls back to scoring everything. So both backends return the same ids, in
 the same order, with bit-identical scores: ordering is by descending score, ties by insertion order.
+
+Removals are tombstones: a removed id's row stays in place (and in the FAISS index), marked dead and left out of
+every search, so an eviction costs a replica O(1) instead of a copy of the scope and a FAISS rebuild (0.47 s at 10^6
+entries). The rows are compacted once the dead are a quarter of them (:data:`COMPACT_FRACTION`): amortised O(1) per
+removal.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 import numpy as np
 
 BACKENDS = ("faiss", "numpy")
+#: the share of dead (removed) rows at which a scope's rows are compacted
+COMPACT_FRACTION = 0.25
 
 
 @functools.cache
@@ -65,11 +72,19 @@ class ScopeIndex:
         self.ids: list[str] = []
         self._pos: dict[str, int] = {}
         self._vecs = np.zeros((0, self.dim), dtype=np.float32)
-        self._flat: Any | None = None  # faiss.IndexFlatIP, rebuilt lazily after removals
+        self._flat: Any | None = None  # faiss.IndexFlatIP of every row (dead ones too), built lazily
         self._buf: np.ndarray | None = None  # rows [0, len(ids)) are _vecs; the rest is room to grow
+        self._dead: set[int] = set()  # positions of removed ids (tombstones), until the next compaction
+        self._live: np.ndarray | None = None  # positions not dead, computed when needed
+        self._selector: Any | None = None  # FAISS search parameters leaving the dead out
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.ids) - len(self._dead)
+
+    @property
+    def tombstones(self) -> int:
+        """Removed rows not yet compacted away."""
+        return len(self._dead)
 
     def add(self, ids: Sequence[str], vectors: np.ndarray) -> None:
         """Append ``ids`` with their (unnormalized) ``vectors``, shape ``(len(ids), dim)``."""
@@ -89,25 +104,48 @@ class ScopeIndex:
             self._buf = buf
         self._buf[n : n + m] = vecs
         self._vecs = self._buf[: n + m]
+        self._live = None
         if self._flat is not None:
             self._flat.add(np.ascontiguousarray(vecs))
 
     def remove(self, ids: Iterable[str]) -> int:
-        """Drop ``ids`` (unknown ids are ignored); returns how many were present."""
-        gone = set(ids)
-        keep = [i for i, e in enumerate(self.ids) if e not in gone]
-        removed = len(self.ids) - len(keep)
+        """Drop ``ids`` (unknown ids are ignored); returns how many were present. Their rows become tombstones
+        (left out of every search), compacted away once they are :data:`COMPACT_FRACTION` of the rows."""
+        removed = 0
+        for e in set(ids):
+            p = self._pos.pop(e, None)
+            if p is not None:
+                self._dead.add(p)
+                removed += 1
         if removed:
-            self.ids = [self.ids[i] for i in keep]
-            self._pos = {e: j for j, e in enumerate(self.ids)}
-            self._vecs = self._vecs[keep]
-            self._buf = None
-            self._flat = None
+            self._live, self._selector = None, None
+            if len(self._dead) >= COMPACT_FRACTION * len(self.ids):
+                self.compact()
         return removed
+
+    def compact(self) -> None:
+        """Drop the dead rows for good (one copy of the live ones; the FAISS index is rebuilt when next needed)."""
+        if not self._dead:
+            return
+        keep = self._live_positions()
+        self.ids = [self.ids[i] for i in keep]
+        self._pos = {e: j for j, e in enumerate(self.ids)}
+        self._vecs = self._vecs[keep]
+        self._buf = None
+        self._flat = None
+        self._dead, self._live, self._selector = set(), None, None
+
+    def _live_positions(self) -> np.ndarray:
+        if self._live is None:
+            live = np.ones(len(self.ids), dtype=bool)
+            if self._dead:
+                live[np.fromiter(self._dead, dtype=np.int64, count=len(self._dead))] = False
+            self._live = np.flatnonzero(live)
+        return self._live
 
     def search(self, query: np.ndarray, k: int) -> list[tuple[str, float]]:
         """Top ``k`` ``(id, cosine)`` pairs, best first (ties: earlier-added first)."""
-        n = len(self.ids)
+        n = len(self)
         if k <= 0 or n == 0:
             return []
         q = normalize(np.asarray(query).reshape(-1))
@@ -118,7 +156,7 @@ class ScopeIndex:
         else:
             positions = None
         if positions is None:
-            positions = np.arange(n)
+            positions = self._live_positions()
         order, scores = self._rank(positions, q, k)
         return [(self.ids[p], float(s)) for p, s in zip(order, scores, strict=True)]
 
@@ -144,17 +182,24 @@ class ScopeIndex:
         return positions[order], scores[order]
 
     def _faiss_shortlist(self, q: np.ndarray, k: int) -> np.ndarray | None:
-        """Candidate positions that provably contain the exact top-k, or None to score everything."""
-        n = len(self.ids)
+        """Candidate positions (live ones) that provably contain the exact top-k, or None to score everything."""
+        n = len(self)
         m = min(n, k + max(k, 16))
         if m >= n:
             return None  # the shortlist would be everything anyway
+        faiss = _faiss()
+        assert faiss is not None
         if self._flat is None:
-            faiss = _faiss()
-            assert faiss is not None
             self._flat = faiss.IndexFlatIP(self.dim)
             self._flat.add(np.ascontiguousarray(self._vecs))
-        dist, idx = self._flat.search(np.ascontiguousarray(q[None, :]), m)
+        if self._dead and self._selector is None:  # the tombstones are left out by FAISS itself
+            dead = np.fromiter(self._dead, dtype=np.int64, count=len(self._dead))
+            batch = faiss.IDSelectorBatch(dead)
+            inverse = faiss.IDSelectorNot(batch)
+            # (the selectors are held here too: FAISS's objects point at each other, Python owns them)
+            self._selector = (faiss.SearchParameters(sel=inverse), inverse, batch)
+        params = self._selector[0] if self._dead and self._selector is not None else None
+        dist, idx = self._flat.search(np.ascontiguousarray(q[None, :]), m, params=params)
         cand = idx[0][idx[0] >= 0]
         if len(cand) < m:
             return None

@@ -138,15 +138,18 @@ class MetaQueries:
 
     def settings(self, conn: Any = None) -> CacheSettings:
         cap = self.get_meta("capacity_bytes", conn)
+        quota = self.get_meta("tenant_quota_bytes", conn)
         return CacheSettings(
             capacity_bytes=None if cap in (None, "none") else int(cap),
             eviction=self.get_meta("eviction", conn) or "lru",
+            tenant_quota_bytes=None if quota in (None, "none") else int(quota),
         )
 
     def set_settings(self, conn: Any, settings: CacheSettings) -> None:
-        cap = settings.capacity_bytes
+        cap, quota = settings.capacity_bytes, settings.tenant_quota_bytes
         self.set_meta(conn, "capacity_bytes", "none" if cap is None else str(int(cap)))
         self.set_meta(conn, "eviction", settings.eviction)
+        self.set_meta(conn, "tenant_quota_bytes", "none" if quota is None else str(int(quota)))
 
     # -- scopes ----------------------------------------------------------------------------------
 
@@ -268,6 +271,26 @@ class MetaQueries:
 
     def total_bytes(self, conn: Any) -> int:
         return int(self._x(conn, "SELECT coalesce(sum(nbytes), 0) FROM entries").fetchone()[0])
+
+    def tenant_bytes(self, conn: Any, tenant: str) -> int:
+        return int(self._x(conn, "SELECT coalesce(sum(nbytes), 0) FROM entries WHERE tenant = ?", (tenant,)).fetchone()[0])
+
+    def tenant_oldest(self, conn: Any, tenant: str, need: int, batch: int = 256) -> tuple[list[str], bool]:
+        """The tenant's oldest entries (admission order) that free ``need`` bytes, and whether they do."""
+        out: list[str] = []
+        freed, after = 0, -1
+        while freed < need:
+            rows = self._x(conn, "SELECT seq, id, nbytes FROM entries WHERE tenant = ? AND seq > ? ORDER BY seq LIMIT ?",
+                           (tenant, after, batch)).fetchall()
+            if not rows:
+                return out, False
+            for seq, entry_id, nbytes in rows:
+                after = seq
+                out.append(str(entry_id))
+                freed += int(nbytes)
+                if freed >= need:
+                    break
+        return out, True
 
     def per_tenant(self, tenant: str | None = None, conn: Any = None) -> list[tuple[str, int, int]]:
         where, args = ("", ()) if tenant is None else (" WHERE tenant = ?", (tenant,))

@@ -112,15 +112,17 @@ class StorePolicy:
 
     # -- settings ------------------------------------------------------------------------------------
 
-    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: str | EvictionPolicy | None = None) -> CacheSettings:
-        """Store the cache's capacity (bytes; None: unbounded) and eviction policy (a registered name, or an
-        instance of a registered policy) in its database, for every process (every replica) that opens it; arguments
-        left out keep their stored value. A lowered capacity evicts down to it at once. Returns the settings now in
-        force."""
+    def configure(self, *, capacity_bytes: int | None = UNSET, eviction: str | EvictionPolicy | None = None,
+                  tenant_quota_bytes: int | None = UNSET) -> CacheSettings:
+        """Store the cache's capacity (bytes; None: unbounded), eviction policy (a registered name, or an
+        instance of a registered policy) and per-tenant quota (bytes; None: none) in its database, for every process
+        (every replica) that opens it; arguments left out keep their stored value. A lowered capacity evicts down to
+        it at once; a quota applies at each tenant's next admission. Returns the settings now in force."""
         self._check_writable("configure")
-        if capacity_bytes is not UNSET and capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-                raise CacheError(f"cache capacity must be a positive number of bytes or None (unbounded), got {capacity_bytes!r}")
+        for what, value in (("cache capacity", capacity_bytes), ("tenant quota", tenant_quota_bytes)):
+            if value is not UNSET and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                             or value <= 0):
+                raise CacheError(f"{what} must be a positive number of bytes or None (unbounded), got {value!r}")
         name = None if eviction is None else policy_name(eviction)
         removed: list[tuple[str, dict[str, Any]]] = []
         with self._writing() as conn:
@@ -129,6 +131,8 @@ class StorePolicy:
                 new = dataclasses.replace(new, capacity_bytes=capacity_bytes)
             if name is not None:
                 new = dataclasses.replace(new, eviction=name)
+            if tenant_quota_bytes is not UNSET:
+                new = dataclasses.replace(new, tenant_quota_bytes=tenant_quota_bytes)
             self._db.set_settings(conn, new)
             if new.capacity_bytes is not None:
                 need = self._db.total_bytes(conn) - new.capacity_bytes
@@ -360,6 +364,14 @@ class StorePolicy:
             replaced = (self._db.exact_key_ids(conn, meta.tenant, meta.exact_key, meta.compat_key)
                         if meta.exact_key is not None else [])
             removed = self._db.delete(conn, replaced)
+            quota = settings.tenant_quota_bytes
+            if quota is not None:  # the tenant's own oldest entries first, down to its quota
+                over = self._db.tenant_bytes(conn, meta.tenant) + meta.nbytes - quota
+                if over > 0:
+                    own, enough = self._db.tenant_oldest(conn, meta.tenant, over)
+                    if not enough:
+                        raise NoRoom(f"the entry ({meta.nbytes} bytes) is larger than a tenant's quota of {quota} bytes")
+                    removed += self._db.delete(conn, own)
             need = self._db.total_bytes(conn) + meta.nbytes - settings.capacity_bytes if settings.capacity_bytes is not None else 0
             victims, enough = self._victims(conn, need, settings)
             if not enough:

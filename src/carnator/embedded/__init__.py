@@ -42,8 +42,10 @@ def save_pipeline(pipe: EmbeddedPipeline, weights: Path = WEIGHTS, manifest: Pat
     return digest
 
 
-def load_pipeline(device: str | torch.device = "cpu", weights: Path = WEIGHTS, manifest: Path = MANIFEST, *, dtype=torch.float32) -> EmbeddedPipeline:
-    """The trained embedded model, checksum-verified, in ``dtype`` on ``device``."""
+def load_pipeline(device: str | torch.device = "cpu", weights: Path = WEIGHTS, manifest: Path = MANIFEST, *, dtype=torch.float32,
+                  dit: bool = True) -> EmbeddedPipeline:
+    """The trained embedded model, checksum-verified, in ``dtype`` on ``device``. ``dit=False``: its transformer is
+    built on the meta device (shapes, no weights, no memory): the model's settings and text, not its generation."""
     from safetensors.torch import load_file
 
     if not weights.exists() or not manifest.exists():
@@ -53,12 +55,20 @@ def load_pipeline(device: str | torch.device = "cpu", weights: Path = WEIGHTS, m
     if digest != meta["sha256"]:
         raise ModelLoadError(f"the embedded model's weights fail their checksum ({weights}); reinstall carnator")
     cfg = EmbeddedConfig.from_dict(meta["config"])
-    pipe = EmbeddedPipeline(cfg)
+    if dit:
+        pipe = EmbeddedPipeline(cfg)
+    else:
+        from .model import build_transformer
+
+        with torch.device("meta"):
+            transformer = build_transformer(cfg)
+        pipe = EmbeddedPipeline(cfg, transformer=transformer)
     state = load_file(str(weights))
-    pipe.transformer.load_state_dict({k[len("transformer."):]: v.float() for k, v in state.items() if k.startswith("transformer.")})
+    if dit:
+        pipe.transformer.load_state_dict({k[len("transformer."):]: v.float() for k, v in state.items() if k.startswith("transformer.")})
     pipe.text_encoder.load_state_dict({k[len("text_encoder."):]: v.float() for k, v in state.items() if k.startswith("text_encoder.")})
     # (.to(dtype) only when needed: diffusers warns on casting Wan's fp32-pinned modules.)
-    for m in (pipe.transformer, pipe.text_encoder):
+    for m in (pipe.transformer, pipe.text_encoder) if dit else (pipe.text_encoder,):
         m.to(device) if dtype == torch.float32 else m.to(device, dtype)
         m.eval()
     pipe.weights_sha256 = digest

@@ -85,6 +85,10 @@ class JobStoreUnavailable(JobStoreError):
     """The job table's database cannot be reached (PostgreSQL down): nothing is accepted until it is back."""
 
 
+class JobTableLost(JobStoreUnavailable):
+    """Another server took this server's job table (while PostgreSQL restarted): it will not be back for this one."""
+
+
 @dataclass
 class Job:
     """One video job, as the store keeps it."""
@@ -148,11 +152,20 @@ class JobStore(Protocol):
     def requeue(self, job_id: str, attempt: int, *, count_attempt: bool = False) -> bool:
         """Put an attempt's job back in the queue (a server draining for shutdown: the attempt is not counted)."""
 
+    def retry(self, job_id: str, attempt: int, worker: str, reason: str) -> int | None:
+        """The worker running an attempt starts the job over at once (its engine failed under it, e.g. a replica
+        died): the attempt ends (logged ``requeued`` with ``reason``, counted) and the same worker claims the next one
+        in the same transaction. The new attempt's number, or None (nothing changed) when ``attempt`` is stale."""
+
     def cancel(self, tenant: str, job_id: str) -> Job | None:
         """Cancel a queued job at once, or ask an in-progress one to stop; the job after that, None when missing."""
 
     def recover(self, max_attempts: int) -> dict[str, builtins.list[str]]:
         """Start-up: jobs left in progress are requeued, failed (attempts used up) or cancelled (asked); their ids."""
+
+    def expire(self, before: float) -> builtins.list[str]:
+        """Retention: delete the jobs that finished (completed, failed, cancelled) before ``before`` (Unix seconds),
+        their log and their videos; their ids. Queued and running jobs are never touched."""
 
     def counts(self) -> dict[str, int]:
         """Jobs per status, over every tenant (for the operator's metrics; never shown to a tenant)."""
@@ -564,6 +577,10 @@ class SqlJobStore(VideoFiles):
 
         try:
             return self._tx(end, critical=True)
+        except JobStoreUnavailable as exc:  # the caller may finish again once the database is back: keep what was
+            if isinstance(exc, JobTableLost):  # staged (a later start sweeps what is never published)
+                self._discard(videos)
+            raise
         except JobStoreError:
             self._discard(videos)
             raise
@@ -580,6 +597,21 @@ class SqlJobStore(VideoFiles):
             return bool(n)
 
         return self._tx(back, critical=True)
+
+    def retry(self, job_id: str, attempt: int, worker: str, reason: str) -> int | None:
+        j = self.tables.jobs
+
+        def again(c: sa.Connection) -> int | None:
+            n = c.execute(sa.update(j).where(j.c.id == job_id, j.c.status == IN_PROGRESS, j.c.attempts == attempt,
+                                             j.c.cancel_requested == sa.false())
+                          .values(attempts=attempt + 1, progress=0, worker=worker, started_at=self._clock())).rowcount
+            if not n:
+                return None
+            self._log(c, job_id, "requeued", attempt, f"attempt counted: {reason}")
+            self._log(c, job_id, "claimed", attempt + 1, worker)
+            return attempt + 1
+
+        return self._tx(again, critical=True)
 
     def cancel(self, tenant: str, job_id: str) -> Job | None:
         def stop(c: sa.Connection) -> Job | None:
@@ -623,6 +655,29 @@ class SqlJobStore(VideoFiles):
         self._tx(sweep, critical=True)
         self._sweep_staging()
         return out
+
+    def expire(self, before: float, *, batch: int = 500) -> builtins.list[str]:
+        j, e = self.tables.jobs, self.tables.events
+        q = (sa.select(j.c.id).where(j.c.status.in_(TERMINAL), j.c.completed_at < float(before)).order_by(j.c.seq)
+             .limit(batch))
+
+        def sweep(c: sa.Connection) -> builtins.list[str]:
+            ids = builtins.list(c.execute(q).scalars())
+            if ids:
+                c.execute(sa.delete(e).where(e.c.job_id.in_(ids)))
+                c.execute(sa.delete(j).where(j.c.id.in_(ids)))
+            return ids
+
+        out: builtins.list[str] = []
+        while True:
+            ids = self._tx(sweep)  # the rows first: a crash between leaves only video files nothing names
+            for jid in ids:
+                for variant in VARIANTS:
+                    with contextlib.suppress(OSError):
+                        (self.video_dir / f"{jid}.{variant}").unlink()
+            out += ids
+            if len(ids) < batch:
+                return out
 
     def counts(self) -> dict[str, int]:
         j = self.tables.jobs

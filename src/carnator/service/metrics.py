@@ -44,7 +44,8 @@ class ServiceMetrics:
         self.evictions = Counter("carnator_cache_evictions", "Cache entries removed to make room (or replaced) when "
                                  "this server stored a result", registry=r)
         self.store_errors = Counter("carnator_cache_store_errors", "Results that could not be stored in the cache", registry=r)
-        self.requeued = Counter("carnator_jobs_requeued", "Jobs put back in the queue (restart or shutdown)", registry=r)
+        self.requeued = Counter("carnator_jobs_requeued", "Jobs put back in the queue (restart or shutdown) or started "
+                                "over in a new attempt (their replica failed)", registry=r)
         self._lock = threading.Lock()
 
     def add_gauges(self, job_counts: Callable[[], Mapping[str, int]], cache_stats: Callable[[], Any],

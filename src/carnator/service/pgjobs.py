@@ -31,7 +31,7 @@ import sqlalchemy as sa
 
 from ..cache.shared import parse_store_url
 from ..errors import CacheError, CarnatorError
-from .jobs import JobStoreError, JobStoreUnavailable, SqlJobStore, migrate
+from .jobs import JobStoreError, JobStoreUnavailable, JobTableLost, SqlJobStore, migrate
 
 log = logging.getLogger("carnator.service")
 
@@ -174,7 +174,7 @@ class ServerLock:
         self.lost = (f"another carnator serve ({who}) took this server's job table (schema {self.schema}) while "
                      "PostgreSQL was restarting: this server takes no more jobs; stop it")
         log.error("%s", self.lost)
-        raise JobStoreUnavailable(self.lost)
+        raise JobTableLost(self.lost)
 
     def check(self) -> None:
         """Return while this server holds its job table (taking the lock again after a lost connection);
@@ -183,7 +183,7 @@ class ServerLock:
 
         with self._lock:
             if self.lost is not None:
-                raise JobStoreUnavailable(self.lost)
+                raise JobTableLost(self.lost)
             if self._conn is not None:
                 try:
                     self._conn.execute("SELECT 1")

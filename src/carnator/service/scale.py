@@ -8,14 +8,16 @@
   :class:`~carnator.engine.EngineSpec` (model, device, store URL, engine and policy config) every other entry point
   uses. With a ``postgresql://`` store all replicas share one cache.
 * :class:`AffinityRouter` (Ray Serve's ``RequestRouter`` API) sends a request to the replica that produced its recall
-  neighbours when that replica has a free slot (fewer than ``max_ongoing_requests`` jobs), else to the least loaded
-  replica. The neighbours come from the ingress's :class:`AffinityIndex`: per tenant, the recall embeddings of the jobs
-  each replica finished (the prompt is embedded once at the ingress with the engines' recall embedder). Ray Serve's
-  default power-of-two router spreads related prompts across replicas, so each replica's read-through cache (and,
-  with separate caches, its whole cache) sees only part of them.
-* A replica that dies mid-job (killed, out of memory, node lost): the slot retries the job once; Ray Serve's router has
-  dropped the dead replica, so it runs elsewhere, and the controller starts a replacement. A second death fails the
-  job with a reason. Never a hang: every wait is bounded by the job's own progress.
+  neighbours when that replica is idle (fewer than ``busy_at`` jobs), else to the least loaded replica; a replica
+  takes one job at a time (:data:`MAX_ONGOING`), so concurrent jobs spread over the idle replicas. The neighbours
+  come from the ingress's :class:`AffinityIndex`: per tenant, the recall embeddings of the jobs each replica finished
+  (the prompt is embedded once at the ingress with the engines' recall embedder). Ray Serve's default power-of-two
+  router spreads related prompts across replicas, so each replica's read-through cache (and, with separate caches,
+  its whole cache) sees only part of them.
+* A replica that dies mid-job (killed, out of memory, node lost): the slot retries the job once, as a new attempt of
+  the job (its worker records it: ``attempts``, the job's log, ``carnator_jobs_requeued_total``); Ray Serve's router
+  has dropped the dead replica, so it runs elsewhere, and the controller starts a replacement. A second death fails
+  the job with a reason. Never a hang: every wait is bounded by the job's own progress.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ from ..request import Params
 log = logging.getLogger("carnator.service")
 
 APP_NAME = "carnator"
-#: jobs a replica takes at once (one running, one waiting); a replica with this many is "overloaded" for affinity
-MAX_ONGOING = 2
+#: jobs a replica takes at once by default: one. Ray Serve's router refuses a replica that has this many (the replica
+#: itself rejects a request past it), so jobs dispatched at the same moment go to different idle replicas instead of
+#: queueing on one while another idles (the router's queue lengths are probed, and two probes at once both see 0).
+#: ``ScaleConfig.busy_at`` above 1 raises it: a related job may then wait behind that many on its home replica.
+MAX_ONGOING = 1
 
 
 @dataclass
@@ -197,7 +202,7 @@ class EngineReplica:
         self._engine_lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
-        return {"replica": self.replica, "pid": os.getpid()}
+        return {"replica": self.replica, "pid": os.getpid(), "model_identity": self.engine.model_identity}
 
     def store_counters(self) -> dict[str, int]:
         """This replica's totals: bytes read from shared blob storage, calls served degraded (PostgreSQL down)."""
@@ -303,11 +308,16 @@ class Replicas:
                     kwargs["num_gpus"] = torch.cuda.device_count()
             ray.init(**kwargs)
             self._owns_ray = True
+            if not config.ray_address:  # the local cluster ends with this server, even one killed with -9
+                from .reaper import start
+
+                self._reaper = start()
         else:
             self._owns_ray = False
         serve.start(proxy_location="Disabled")
         options: dict[str, Any] = {
             "num_replicas": config.replicas,
+            "max_ongoing_requests": max(MAX_ONGOING, int(config.busy_at)),
             "ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
         }
         if config.router == "affinity":
@@ -321,6 +331,10 @@ class Replicas:
                                                                   get_if_exists=True).remote()
         self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
         self.affinity = AffinityIndex(config.min_similarity) if config.router == "affinity" else None
+
+    def model_identity(self) -> str:
+        """The model's identity as a replica (which has its weights) computes it."""
+        return str(self.handle.info.remote().result(timeout_s=120)["model_identity"])
 
     def shutdown(self) -> None:
         import ray
@@ -410,4 +424,7 @@ class RemoteEngine:
                 log.warning("replica %s failed mid-job (%s); %s", replica, type(exc).__name__,
                             "retrying once on another replica" if attempt == 1 else "giving up")
                 affinity = [a for a in affinity if a != replica]
+                if attempt == 1 and events is not None:  # the worker records a new attempt of the job
+                    events("retry", {"replica": replica,
+                                     "reason": f"replica {replica} failed mid-job ({type(exc).__name__})"})
         raise GenerationError(f"the job's replica failed twice ({type(last).__name__}); try again")

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +28,15 @@ from typing import Any
 from ..errors import CarnatorError
 from ..request import Params
 from .events import EventHub
-from .jobs import VIDEO_DIR, JobStore, SqliteJobStore
+from .jobs import VIDEO_DIR, JobStore, JobStoreError, SqliteJobStore
 from .metrics import ServiceMetrics
 from .worker import Device, MeteredStore, WorkerPool
 
 log = logging.getLogger("carnator.service")
 
 LOCK_FILE = "serve.lock"
+#: how long finished jobs and their videos are kept by default (``--retention``; 0: forever)
+DEFAULT_RETENTION_S = 7 * 86400.0
 
 
 @dataclass
@@ -61,6 +64,7 @@ class ServeConfig:
     router: str = "affinity"
     separate_caches: bool = False
     affinity_busy_at: int = 1
+    retention_s: float = DEFAULT_RETENTION_S
     audit: float = 0.1
     audit_budget: float = 0.1
     audit_judge: str | None = None
@@ -130,10 +134,6 @@ class Service:
         if config.replicas:
             from .scale import RemoteEngine, Replicas, ScaleConfig
 
-            # the ingress keeps an engine on the CPU to validate requests and embed prompts for the router; the
-            # replicas build theirs from the same spec on their own devices
-            local = Carnator.from_spec(EngineSpec(model=config.model, device="cpu", cache_dir=store_url,
-                                                  blobs=config.blobs, config=spec_config))
             gpu = config.device.startswith("cuda")
             self.replicas = Replicas(
                 EngineSpec(model=config.model, device="cuda" if gpu else "cpu", cache_dir=store_url, blobs=config.blobs,
@@ -141,6 +141,12 @@ class Service:
                 ScaleConfig(replicas=config.replicas, ray_address=config.ray_address, router=config.router,
                             num_gpus=1.0 if gpu else 0.0, num_cpus=1.0, separate_caches=config.separate_caches,
                             busy_at=config.affinity_busy_at))
+            # the ingress validates requests and embeds prompts for the router with an engine on the CPU that has no
+            # transformer weights (the replicas build theirs from the same spec on their own devices)
+            local = Carnator.from_spec(EngineSpec(model=config.model, device="cpu", cache_dir=store_url,
+                                                  blobs=config.blobs, config=spec_config),
+                                       dit=False, model_identity=self.replicas.model_identity())
+            log.info("the ingress checks and embeds requests without the model's transformer (its replicas run it)")
             names = [f"replica-slot-{i}" for i in range(config.replicas)]
             remote = RemoteEngine(self.replicas, local)
             engines = [remote] * config.replicas
@@ -176,6 +182,7 @@ class Service:
         self.metrics.add_gauges(self.store.counts, self.engine.store.stats, self.pool.running, unavailable)
         self.recovered: dict[str, list[str]] = {}
         self._started = False
+        self._stopping = threading.Event()
 
     def validate(self, params: Params) -> Params:
         """InvalidRequestError (a CarnatorError) when the engine would refuse the request; else ``params`` with its
@@ -201,9 +208,30 @@ class Service:
             if ids:
                 log.warning("%d job(s) left in progress by the previous run: %s", len(ids), kind)
         self.pool.start()
+        if self.config.retention_s > 0:
+            threading.Thread(target=self._retention_loop, name="carnator-retention", daemon=True).start()
+
+    def expire(self) -> list[str]:
+        """Delete the finished jobs (and their videos) older than the retention; their ids."""
+        ids = self.store.expire(time.time() - self.config.retention_s)
+        if ids:
+            log.info("deleted %d finished job(s) and their videos past the retention of %s", len(ids),
+                     duration_words(self.config.retention_s))
+        return ids
+
+    def _retention_loop(self) -> None:
+        every = min(600.0, max(1.0, self.config.retention_s / 10))
+        while True:
+            try:
+                self.expire()
+            except JobStoreError as exc:  # the job table busy or unreachable: the next sweep catches up
+                log.debug("retention sweep: %s", exc)
+            if self._stopping.wait(every):
+                return
 
     def begin_shutdown(self) -> None:
         """At the signal: running jobs stop at their next step (and are requeued), event streams end."""
+        self._stopping.set()
         self.pool.drain()
         self.hub.close()
 
@@ -222,6 +250,23 @@ class Service:
         if not self.pool.alive():
             return "no worker is running"
         return self.store.healthy()
+
+
+def parse_duration(text: str, flag: str = "--retention") -> float:
+    """A duration like ``7d``, ``12h``, ``30m``, ``45s`` or ``3600`` (seconds) in seconds; 0 is allowed (forever)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text).lower())
+    if m is None:
+        raise CarnatorError(f"{flag}: expected a duration like 7d, 12h, 30m, 45s, 3600 (seconds) or 0, got {text!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}[m.group(2)]
+
+
+def duration_words(seconds: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n and seconds % n == 0:
+            return f"{int(seconds // n)}{unit}"
+    return f"{seconds:g}s"
 
 
 def open_job_store(store_url: str | None, cache_dir: Path, server_lock: Any = None) -> JobStore:
@@ -349,6 +394,7 @@ def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
     """``carnator serve`` from parsed arguments (:mod:`carnator.cli`); ``engine_config``: EngineConfig fields the CLI
     checked (``--option``'s policy options)."""
     keys = load_keys(args.keys) if args.keys else None
+    retention_s = parse_duration(getattr(args, "retention", "7d"))
     if args.verbose:
         logging.getLogger("carnator").setLevel(logging.DEBUG)
     else:  # loading bars of diffusers/transformers (the model, the recall embedder) would bury the server's lines
@@ -376,7 +422,8 @@ def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
                       max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
                       allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts,
                       store=args.store, blobs=args.blobs, replicas=args.replicas or 0, ray_address=args.ray_address,
-                      router=args.router, audit=args.audit, audit_budget=args.audit_budget, audit_judge=args.audit_judge,
+                      router=args.router, retention_s=retention_s, audit=args.audit, audit_budget=args.audit_budget,
+                      audit_judge=args.audit_judge,
                       engine_config=dict(engine_config or {}))
     logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     sys.stdout.flush()

@@ -19,17 +19,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import tenacity
+
 from ..errors import CacheError, Cancelled, CarnatorError, InvalidRequestError
 from ..request import Params
 from ..video import write_video
 from .events import DONE, EventHub
-from .jobs import CANCELLED, COMPLETED, FAILED, Job, JobStore, JobStoreError
+from .jobs import CANCELLED, COMPLETED, FAILED, Job, JobStore, JobStoreError, JobStoreUnavailable, JobTableLost
 from .metrics import STAGES, ServiceMetrics
 
 log = logging.getLogger("carnator.service")
 
 #: seconds between progress writes to the job store (events go out at every step)
 PROGRESS_WRITE_S = 0.5
+#: longest wait between two tries to record a finished job while its job table is unreachable (seconds)
+FINISH_RETRY_MAX_S = 5.0
 
 
 class MeteredStore:
@@ -200,6 +204,8 @@ class WorkerPool:
         self._threads: list[threading.Thread] = []
         self.job_seconds_ema: float | None = None
         self.drained: list[str] = []
+        self._down_since: float | None = None  # when the job table stopped answering the workers' polls
+        self._down_lock = threading.Lock()
         #: shadow audits (:class:`carnator.service.audit.Auditor`), run when no job waits; None: none
         self.auditor = auditor
         self._queued_seq = 0   # bumped by every notify: an audit yields when it changes
@@ -258,9 +264,11 @@ class WorkerPool:
         while not self._draining.is_set():
             try:
                 job = self.queue.next(worker)
-            except Exception as exc:  # a busy or full store: wait and try again
-                log.warning("worker %s could not take a job: %s", dev.name, exc)
+            except Exception as exc:  # a busy, full or unreachable store: wait and try again
+                self._poll_failed(dev, exc)
                 job = None
+            else:
+                self._poll_worked()
             if job is None and self.auditor is not None and self.auditor.ready():
                 self._audit(dev)
                 continue
@@ -282,6 +290,21 @@ class WorkerPool:
                     self._running.pop(job.id, None)
                 self._cancel.discard(job.id)
 
+    def _poll_failed(self, dev: Device, exc: BaseException) -> None:
+        """Said once per outage (the workers poll twice a second), not at every poll."""
+        with self._down_lock:
+            if self._down_since is not None:
+                return
+            self._down_since = time.monotonic()
+        log.warning("worker %s could not take a job: %s (the workers keep trying; said once until it works again)",
+                    dev.name, exc)
+
+    def _poll_worked(self) -> None:
+        with self._down_lock:
+            since, self._down_since = self._down_since, None
+        if since is not None:
+            log.warning("the workers take jobs again: the job table answers (it did not for %.0f s)",
+                        time.monotonic() - since)
     def _audit(self, dev: Device) -> None:
         """One shadow audit on this device, yielding at its next step boundary once a job waits."""
         seen = [self._queued_seq]
@@ -310,9 +333,15 @@ class WorkerPool:
         self.metrics.queue_wait.observe(max(0.0, (job.started_at or started) - job.created_at))
         self.hub.publish(job.id, "in_progress", {"id": job.id, "status": "in_progress", "attempt": job.attempts})
         last_write = [0.0]
+        shown = [job.attempts, -1]  # the attempt and its highest progress: it never goes back within an attempt
 
         def progress(done: int, total: int) -> None:
             pct = min(99, int(100 * done / max(1, total)))
+            if shown[0] != job.attempts:
+                shown[:] = [job.attempts, -1]
+            if pct < shown[1]:
+                return
+            shown[1] = pct
             self.hub.publish(job.id, "progress", {"progress": pct, "step": done, "total": total})
             now = time.monotonic()
             if now - last_write[0] >= PROGRESS_WRITE_S:
@@ -327,6 +356,8 @@ class WorkerPool:
             if kind == "decision":
                 self.hub.publish(job.id, "decision", {"reuse": bool(data.get("reuse")), "exact": False,
                                                       "reason": str(data.get("reason", ""))})
+            elif kind == "retry":  # the engine starts the job over (its replica died): a new attempt
+                self._retry(dev, job, str(data.get("reason") or "its engine failed"))
 
         if cancel():
             return self._stopped_job(job)
@@ -373,6 +404,24 @@ class WorkerPool:
         if self.auditor is not None:
             self.auditor.offer(job, res, summary)
 
+    def _retry(self, dev: Device, job: Job, reason: str) -> None:
+        """Record the engine's retry of ``job`` as its next attempt (counted, logged, ``requeued`` in the metrics);
+        a job whose cancellation was asked meanwhile stops instead. Should the job table be unreachable, the retry
+        runs under the attempt it had."""
+        try:
+            attempt = self.store.retry(job.id, job.attempts, job.worker or dev.name, reason)
+        except JobStoreError as exc:
+            log.error("job %s: could not record its retry (%s); it goes on as attempt %d", job.id, exc, job.attempts)
+            return
+        if attempt is None:
+            self._cancel.add(job.id)
+            return
+        log.warning("job %s: attempt %d ended (%s); attempt %d starts", job.id, job.attempts, reason, attempt)
+        job.attempts = attempt
+        self.metrics.requeued.inc()
+        self.hub.publish(job.id, "in_progress", {"id": job.id, "status": "in_progress", "attempt": attempt,
+                                                 "reason": reason})
+
     def _stopped_job(self, job: Job) -> None:
         if job.id in self._cancel:
             self._finish(job, CANCELLED, error=None)
@@ -385,10 +434,38 @@ class WorkerPool:
                 log.error("could not requeue job %s (%s); the next start requeues it", job.id, exc)
             self.hub.publish(job.id, "queued", {"id": job.id, "status": "queued", "reason": "the server is restarting"})
 
+    def _record(self, job: Job, status: str, **finish: Any) -> bool:
+        """``store.finish``, tried again with backoff while the job table is unreachable (PostgreSQL down or
+        restarting): a job that ends during an outage is recorded when the database is back, in this attempt and
+        this process. Gives up (raises) when the server stops first or has lost its job table."""
+        def unreachable(exc: BaseException) -> bool:
+            return isinstance(exc, JobStoreUnavailable) and not isinstance(exc, JobTableLost) and not self.draining
+
+        def waiting(state: tenacity.RetryCallState) -> None:
+            if state.attempt_number == 1:
+                log.warning("job %s ended (%s) while its job table is unreachable (%s); it is recorded when the "
+                            "database is back", job.id, status, state.outcome.exception() if state.outcome else "?")
+
+        tries = [0]
+
+        def finish_once() -> bool:
+            tries[0] += 1
+            return self.store.finish(job.id, job.attempts, status, **finish)
+
+        ok = tenacity.Retrying(retry=tenacity.retry_if_exception(unreachable), before_sleep=waiting, reraise=True,
+                               wait=tenacity.wait_exponential(multiplier=0.25, max=FINISH_RETRY_MAX_S),
+                               sleep=self._sleep_unless_draining)(finish_once)
+        if tries[0] > 1:
+            log.warning("job %s recorded as %s now that its job table is back", job.id, status)
+        return ok
+
+    def _sleep_unless_draining(self, seconds: float) -> None:
+        self._draining.wait(seconds)
+
     def _finish(self, job: Job, status: str, *, stats=None, error=None, videos=None, wall: float | None = None,
                 dev: Device | None = None) -> None:
         try:
-            ok = self.store.finish(job.id, job.attempts, status, stats=stats, error=error, videos=videos)
+            ok = self._record(job, status, stats=stats, error=error, videos=videos)
         except JobStoreError as exc:
             log.error("could not record job %s as %s (%s); the next start requeues it", job.id, status, exc)
             ok = False
