@@ -205,3 +205,38 @@ def test_shipped_thresholds_audited_hits_disable_nothing(tmp_path, base_engine, 
         assert 'carnator_audit_tier_disabled{kind="re-roll",tier="45/50"} 0.0' in text
     finally:
         svc.stop()
+
+
+def test_a_job_runs_by_the_disabled_set_it_carries_and_leaves_the_engines_policy_alone(tmp_path, base_engine):
+    """What a replica does with the set its job carries (``carnator serve --replicas``): the job is decided by a copy
+    of the engine's policy with exactly that set off (a colour edit misses naming its disabled tier), while the
+    engine's own policy, which other jobs run by, keeps its own set (here none: the colour edit hits)."""
+    import threading
+
+    from carnator.policies.carnator import CarnatorPolicy
+
+    eng = Carnator(base_engine.pipe, tmp_path / "cache",
+                   config=EngineConfig(policy_options={"carnator": {"thresholds": _loose_file(tmp_path, base_engine)}}),
+                   embedder=hashed_embedder(64), adapter=base_engine.adapter)
+    pol = eng.policy("carnator")
+    assert isinstance(pol, CarnatorPolicy) and not pol.disabled_tiers
+    src = eng.run(Params("a big red ball on grass", 1, num_inference_steps=STEPS, cache="reuse"))
+    assert not src.stats.hit
+    off = pol.with_disabled([("colour", 45)])
+    assert off.disabled_tiers == {("colour", 45)} and not pol.disabled_tiers and off.tiers is pol.tiers
+    edit = Params("a big blue ball on grass", 2, num_inference_steps=STEPS, cache="reuse", store=False)
+    got: dict[str, object] = {}
+    # the same request at once on two threads, one by the job's set, one by the engine's own policy
+    threads = [threading.Thread(target=lambda: got.__setitem__("off", eng.run(edit, policy=off))),
+               threading.Thread(target=lambda: got.__setitem__("own", eng.run(edit)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    missed, hit = got["off"].stats, got["own"].stats   # type: ignore[attr-defined]
+    assert not missed.hit and "colour tier (step 45 of 50) is disabled" in missed.reason, missed.reason
+    assert missed.notes["disabled_tier"] == {"kind": "colour", "step": 45, "of": 50}
+    assert hit.hit and "colour" in hit.reason and hit.notes["audit"] == {"kind": "colour", "step": 45, "of": 50}
+    assert not pol.disabled_tiers
+    with pytest.raises(Exception, match="policy instance"):
+        eng.run(Params("a big red ball on grass", 3, policy="dense", num_inference_steps=STEPS), policy=off)

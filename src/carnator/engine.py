@@ -383,17 +383,23 @@ class Carnator:
         return self.run(params, decision=decision, progress=progress, cancel=cancel, events=events)
 
     def run(self, params: Params, *, decision: Decision | None = None, progress: Callable[[int, int], None] | None = None,
-            cancel: Callable[[], bool] | None = None, events: Callable[[str, dict], None] | None = None) -> Result:
+            cancel: Callable[[], bool] | None = None, events: Callable[[str, dict], None] | None = None,
+            policy: Policy | None = None) -> Result:
         """Generate the video ``params`` asks for (the one entry every caller goes through: :meth:`generate`, the CLI,
-        the service's workers and replicas); the hooks as for :meth:`generate`. The stages, in order: exact ->
-        recall -> probe -> decide -> plan -> denoise -> store (:mod:`carnator.stages`)."""
+        the service's workers and replicas); the hooks as for :meth:`generate`. ``policy``: the instance of the policy
+        ``params.policy`` names to run this request by instead of the engine's own (a prepared one, e.g.
+        ``engine.policy("carnator").with_disabled(...)``: a replica runs a job by the tiers its ingress disabled). The
+        stages, in order: exact -> recall -> probe -> decide -> plan -> denoise -> store (:mod:`carnator.stages`)."""
         if not isinstance(params, Params):
             raise TypeError(f"Carnator.run takes a carnator.request.Params, got {type(params).__name__}")
         if not self.dit:
             raise CarnatorError("this engine was built without its transformer (dit=False): it resolves, checks and "
                                 "embeds requests, it does not generate them")
         t_start = time.perf_counter()
-        pol = self.policy(params.policy)
+        pol = self.policy(params.policy) if policy is None else policy
+        if policy is not None and getattr(policy, "name", None) != params.policy:
+            raise InvalidRequestError(f"the policy instance given is {getattr(pol, 'name', None)!r}, the request asks "
+                                      f"{params.policy!r}")
         mode = pol.default_cache if params.cache is None else params.cache
         if mode not in CACHE_MODES:
             raise InvalidRequestError(f"cache must be one of {', '.join(CACHE_MODES)}, got {params.cache!r}")

@@ -11,6 +11,7 @@ the policy then decides over plain data:
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -379,6 +380,15 @@ class CarnatorPolicy(Policy):
         """Stop reusing by these ``(kind, step)`` tiers (plain data; an empty set enables every tier again). A
         request of such a kind then runs as it would without the tier: a miss that says so."""
         self.disabled_tiers = frozenset((str(k), int(s)) for k, s in tiers)
+
+    def with_disabled(self, tiers: Iterable[tuple[str, int]]) -> CarnatorPolicy:
+        """A copy of this policy with exactly these ``(kind, step)`` tiers disabled; this one is left as it is. What
+        one job runs by when its disabled set travels with it (``carnator serve --replicas``: the ingress's live audit
+        decides the set, each job carries it to its replica), so jobs running at once never see each other's set. The
+        copy shares everything else (config, thresholds, tiers), which a run only reads."""
+        out = copy.copy(self)
+        out.disable(tiers)
+        return out
 
     def _disabled(self, kind: str) -> str | None:
         """Why a reuse of ``kind`` is off (its tier disabled by a live audit), or None."""

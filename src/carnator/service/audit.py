@@ -23,6 +23,13 @@ An audit is the lowest priority work: a worker runs one only when no job is queu
 denoising step boundary when a job is queued (the audit goes back to the front of its queue and restarts later).
 Hits waiting for an audit are kept in memory (at most ``max_pending``, the oldest dropped): a restart loses them, not
 the verdicts.
+
+With ``carnator serve --replicas N`` the auditor runs at the ingress, whose worker slots hand jobs to the replicas
+(:mod:`carnator.service.scale`): a replica's hit comes back with its frames and ``stats.notes["audit"]`` (its kind
+and tier) and is sampled like a local one; an audit's dense run goes to a replica through the same slot, as the
+lowest priority job (it yields at a step boundary when a job is queued, the ingress posting its cancel to the
+replica); its verdict is recorded at the ingress; a tier is disabled on the ingress's policy, and every job then
+carries that policy's disabled set to its replica, which decides the job by exactly that set.
 """
 
 from __future__ import annotations
@@ -199,7 +206,7 @@ class Auditor:
     """Samples a service's approximate hits, audits them on idle device time and keeps its tiers' live state.
 
     ``store``: the job store (verdicts); ``engines``: every engine whose ``carnator`` policy a disabled tier applies
-    to. ``enabled`` is False (``off`` says why) when the rate is 0, the policy's thresholds are no file, or the file's
+    to (with replicas: the ingress's, whose disabled set each job carries to its replica). ``enabled`` is False (``off`` says why) when the rate is 0, the policy's thresholds are no file, or the file's
     judge cannot be had."""
 
     def __init__(self, store, engines: Sequence[Any], config: AuditConfig, metrics=None, hub=None,

@@ -14,6 +14,11 @@
   (the prompt is embedded once at the ingress with the engines' recall embedder). Ray Serve's default power-of-two
   router spreads related prompts across replicas, so each replica's read-through cache (and, with separate caches,
   its whole cache) sees only part of them.
+* The live audit (:mod:`carnator.service.audit`) runs at the ingress: it samples the replicas' approximate hits, runs
+  each audit's dense request on a replica as the lowest priority job, and disables a tier on the ingress's policy.
+  Each job carries that policy's disabled tiers to its replica as plain data (``disabled``, beside the
+  :class:`~carnator.request.Params`), and the replica runs the job by its own policy with exactly that set
+  (:func:`job_policy`): one bound and one action for the fleet.
 * A replica that dies mid-job (killed, out of memory, node lost): the slot retries the job once, as a new attempt of
   the job (its worker records it: ``attempts``, the job's log, ``carnator_jobs_requeued_total``); Ray Serve's router
   has dropped the dead replica, so it runs elsewhere, and the controller starts a replacement. A second death fails
@@ -179,6 +184,21 @@ def _board():
 # -- the replica ----------------------------------------------------------------------------------
 
 
+def job_policy(engine: Any, params: Params, disabled: Any) -> Any:
+    """The policy instance a replica runs ``params`` by, given the ``(kind, step)`` tiers its job carries: None (the
+    engine's own policy of that name) when it carries none (None) or the policy has no tiers to disable, or when the
+    set is the one that policy already has; else a copy of it with exactly ``disabled`` off, for this job only (the
+    engine's own is never changed, so jobs running at once on one replica never see each other's set)."""
+    if disabled is None:
+        return None
+    pol = engine.policy(params.policy)
+    if not hasattr(pol, "with_disabled"):
+        return None
+    tiers = frozenset((str(k), int(s)) for k, s in disabled)
+    return None if tiers == getattr(pol, "disabled_tiers", None) else pol.with_disabled(tiers)
+
+
+
 @serve.deployment(max_ongoing_requests=MAX_ONGOING, health_check_period_s=2, health_check_timeout_s=30,
                   graceful_shutdown_timeout_s=5)
 class EngineReplica:
@@ -209,7 +229,10 @@ class EngineReplica:
         st = self.engine.store
         return {"blob_bytes_read": int(getattr(st, "bytes_read", 0)), "store_unavailable": int(getattr(st, "unavailable", 0))}
 
-    def generate(self, params: Params, affinity: list[str] | None = None, token: str | None = None):
+    def generate(self, params: Params, affinity: list[str] | None = None, token: str | None = None,
+                 disabled: list[tuple[str, int]] | None = None):
+        """Run one job, streaming its events and then its result. ``disabled``: the ``(kind, step)`` tiers the
+        ingress's live audit disabled when it sent the job (None: this replica's policy as it is)."""
         import ray
 
         events: queue.Queue = queue.Queue()
@@ -238,6 +261,7 @@ class EngineReplica:
                     progress=lambda d, t: events.put({"kind": "progress", "done": d, "total": t}),
                     cancel=cancelled,
                     events=lambda k, d: events.put({"kind": "event", "name": k, "data": _plain(d)}),
+                    policy=job_policy(self.engine, params, disabled),
                 )
                 emb = None
                 try:
@@ -365,6 +389,16 @@ class RemoteEngine:
     def __getattr__(self, name: str) -> Any:  # policy(), resolve(), store, ... of the ingress's engine
         return getattr(self.local, name)
 
+    def disabled_tiers(self, policy: str) -> list[tuple[str, int]] | None:
+        """The ``(kind, step)`` tiers the ingress's policy ``policy`` has disabled (the live audit disables them there),
+        sorted: what a job carries to its replica. None for a policy without tiers to disable."""
+        try:
+            pol = self.local.policy(policy)
+        except Exception:  # noqa: BLE001 - an unknown policy: the replica says so
+            return None
+        tiers = getattr(pol, "disabled_tiers", None)
+        return None if tiers is None else sorted(tiers)
+
     def generate(self, prompt: str, *, progress: Any = None, cancel: Any = None, events: Any = None, **params: Any) -> Any:
         """:meth:`run` of ``Params(prompt, **params)`` (``Carnator.generate``'s keywords)."""
         return self.run(Params(prompt=prompt, **{"cache": "reuse", **params}), progress=progress, cancel=cancel, events=events)
@@ -387,7 +421,10 @@ class RemoteEngine:
         last: BaseException | None = None
         for attempt in (1, 2):
             token = uuid.uuid4().hex
-            gen = self.replicas.handle.options(stream=True).generate.remote(params, affinity=affinity, token=token)
+            # read at each dispatch: a tier disabled since the first attempt is off for the retry too
+            disabled = self.disabled_tiers(params.policy)
+            gen = self.replicas.handle.options(stream=True).generate.remote(params, affinity=affinity, token=token,
+                                                                             disabled=disabled)
             replica = "?"
             try:
                 for item in gen:
