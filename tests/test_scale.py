@@ -1,9 +1,11 @@
 """``carnator serve --replicas 2`` on a real local Ray cluster (2 CPU replicas of the embedded model) sharing one real
-PostgreSQL store: the same API, cache-affinity routing, a replica killed mid-job, and PostgreSQL going down under a
-server (dense, counted, no error). One server for the module; few, short jobs."""
+PostgreSQL store: the same API, cache-affinity routing, a replica killed mid-job, PostgreSQL going down under a
+server (dense, counted, no error), and a tier the live audit disables reaching every replica. One server for the
+module; few, short jobs."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,13 +26,32 @@ RELATED = ["a small red ball moving right on grass", "a small red ball moving le
 STEPS = 32
 
 
+def loose_thresholds(path) -> str:
+    """The shipped thresholds with two tiers only: the shipped re-roll one and a deliberately loose colour tier (from
+    step 45 of 50, when the embedded model has long settled the cached colour: its hits are unsafe), judged by the
+    shapes judge's own rule at the file's 5 % / 90 %, where one unsafe verdict disables a tier. The other tests here
+    ask no re-roll and no colour edit, so none of their jobs is an approximate hit and no audit runs beside them."""
+    from carnator.embedded.judge import DEFAULT_DELTAS, ShapesJudge
+    from carnator.policies.carnator import SHIPPED_THRESHOLDS
+
+    doc = json.loads(SHIPPED_THRESHOLDS.read_text())
+    shipped = doc["thresholds"]["tiers"]
+    doc["thresholds"]["tiers"] = {"re-roll": shipped["re-roll"],
+                                  "colour": {**shipped["re-roll"], "kind": "colour", "step": 45, "of": 50}}
+    doc["meta"].update(rule={"deltas": dict(DEFAULT_DELTAS), "directions": dict(ShapesJudge.directions)},
+                       judge=ShapesJudge().identity)
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, postgres_url):
     root = tmp_path_factory.mktemp("scale")
     sep = "&" if "?" in postgres_url else "?"
     store = f"{postgres_url}{sep}schema=ray_{uuid.uuid4().hex[:10]}"
     args = ["--replicas", "2", "--store", store, "--blobs", str(root / "blobs"), "--allow-uncertified",
-            "--max-steps", "400"]
+            "--max-steps", "400", "--option", f"carnator.thresholds={loose_thresholds(root / 'loose.json')}",
+            "--audit", "1", "--audit-budget", "1"]
     with ServerProcess(root / "ingress", args, timeout=300) as srv:
         srv.store_url, srv.blobs = store, str(root / "blobs")
         yield srv
@@ -152,6 +173,73 @@ def test_a_replica_killed_mid_job_is_retried_once_elsewhere_and_completes(server
                                                                   "completed"]
     finally:
         store.close()
+
+
+def test_job_policy_is_a_copy_with_the_jobs_set_only_when_it_differs():
+    """What a replica runs a job by: its engine's own policy unless the job carries another disabled set (then a
+    copy with exactly that set; the engine's policy is never changed)."""
+    from carnator.policies.carnator import CarnatorPolicy
+    from carnator.request import Params
+    from carnator.service.scale import job_policy
+
+    class Engine:
+        def __init__(self):
+            self.pols = {"carnator": CarnatorPolicy(), "dense": object()}
+
+        def policy(self, name):
+            return self.pols[name]
+
+    eng, p = Engine(), Params("a ball", 1)
+    own = eng.policy("carnator")
+    assert job_policy(eng, p, None) is None and job_policy(eng, p, []) is None
+    got = job_policy(eng, p, [["colour", 45], ("re-roll", "45")])
+    assert got is not own and got.disabled_tiers == {("colour", 45), ("re-roll", 45)} and not own.disabled_tiers
+    assert job_policy(eng, Params("a ball", 1, policy="dense"), [("colour", 45)]) is None
+
+
+AUDIT_STEPS = 8   # (no other test's entry has these settings: none is a candidate)
+
+
+def test_a_tier_disabled_by_the_live_audit_reaches_every_replica(server, http):
+    """The ingress samples a replica's colour hit, runs its audit on a replica, finds it unsafe and disables the
+    colour tier on its own policy, which the replicas never hear of: colour edits then dispatched to both replicas at
+    once miss, naming the disabled tier (each job carries the set); a re-roll still hits."""
+    from carnator.cache.shared import SharedStore
+
+    src = run(server, "a big red ball on grass", steps=AUDIT_STEPS, seed=1)
+    assert src["stats"]["tier"] == "miss" and src["stats"]["stored"], src["stats"]
+    hit = run(server, "a big blue ball on grass", steps=AUDIT_STEPS, seed=2)
+    assert hit["stats"]["tier"] == "reuse" and "colour" in hit["stats"]["reason"], hit["stats"]
+
+    def tier(kind):
+        return next((t for t in http.get("/audit").json()["tiers"] if t["kind"] == kind), None)
+
+    deadline = time.monotonic() + 120
+    while not (tier("colour") or {}).get("disabled") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    t = tier("colour")
+    assert t is not None and t["disabled"], (t, server.output[-3000:])
+    assert (t["n"], t["unsafe"], t["tier"], t["disabled_after"]) == (1, 1, "45/50", 1)
+    assert "live audit: the colour tier (step 45) is disabled" in server.output
+    with SharedStore(server.store_url, blobs=server.blobs) as store:   # the unsafe hit's entry is gone
+        assert hit["stats"]["entry_id"] not in {e.id for e in store.entries()}
+    with Client(server.url) as c:
+        ids = [c.submit(prompt, seed=seed, num_inference_steps=AUDIT_STEPS)["id"]
+               for prompt, seed in (("a big green ball on grass", 3), ("a big blue ball on grass", 4))]
+        edits = [c.wait(i, timeout=240) for i in ids]
+    for job in edits:
+        assert job["status"] == "completed" and job["stats"]["tier"] == "miss", job
+        assert "colour tier (step 45 of 50) is disabled: the live audit" in job["stats"]["reason"], job["stats"]
+    assert len({job["stats"]["replica"] for job in edits}) == 2, [job["stats"] for job in edits]
+    reroll = run(server, "a big red ball on grass", steps=AUDIT_STEPS, seed=5)
+    assert reroll["stats"]["tier"] == "reuse" and "re-roll" in reroll["stats"]["reason"], reroll["stats"]
+    # the re-roll's own audit ends here: nothing runs beside the next test's jobs
+    while time.monotonic() < deadline + 120:
+        counts = http.get("/audit").json()["counts"]
+        if counts["sampled"] == counts["safe"] + counts["unsafe"] + counts["failed"] + counts["dropped"]:
+            break
+        time.sleep(0.2)
+    assert counts["sampled"] == 2 and counts["unsafe"] == 1 and counts["failed"] == 0, counts
 
 
 def test_killing_the_ingress_ends_the_ray_processes_it_started(server):
