@@ -292,7 +292,7 @@ def test_the_ingress_hands_params_to_the_replica_as_itself():
             return self
 
         def remote(self, params, **kw):
-            sent.append(params)
+            sent.append((params, kw))
             return iter([{"kind": "error", "type": "invalid_request", "message": "stop"}])
 
     replicas = SimpleNamespace(affinity=None, handle=Handle())
@@ -300,4 +300,12 @@ def test_the_ingress_hands_params_to_the_replica_as_itself():
 
     with pytest.raises(InvalidRequestError):
         RemoteEngine(replicas, SimpleNamespace(adapter=None)).run(_params(tenant="t2"))
-    assert len(sent) == 1 and type(sent[0]) is Params and sent[0].seed == 12345 and sent[0].tenant == "t2"
+    ((params, kw),) = sent
+    assert type(params) is Params and params.seed == 12345 and params.tenant == "t2"
+    assert kw["disabled"] is None   # an ingress policy without tiers to disable: the replica's as it is
+    # the ingress's disabled tiers go beside the Params, as plain data, never inside them
+    pol = SimpleNamespace(disabled_tiers=frozenset({("colour", 45), ("place", 12)}))
+    with pytest.raises(InvalidRequestError):
+        RemoteEngine(replicas, SimpleNamespace(adapter=None, policy=lambda name: pol)).run(_params(tenant="t2"))
+    params, kw = sent[1]
+    assert kw["disabled"] == [("colour", 45), ("place", 12)] and params == sent[0][0]
