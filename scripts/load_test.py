@@ -164,8 +164,20 @@ def summarize(mode: str, records: list[dict], wall: float, audit_: dict) -> dict
         "steps_total": sum(r["stats"]["steps"] for r in ok),
         "retries_429": sum(r.get("retries", 0) for r in records),
         "lost": audit_["lost"], "duplicated": audit_["duplicated"],
+        "shadow_audits": shadow_audits(audit_.get("metrics", "")),
         "errors": [r["error"] for r in records if "error" in r][:5],
     }
+
+
+def shadow_audits(metrics: str) -> dict:
+    """The server's shadow audits when the stream ended (``/metrics``): by outcome, and the device seconds they took."""
+    import re
+
+    out: dict = {m.group(1): int(float(m.group(2)))
+                 for m in re.finditer(r'^carnator_audits_total\{outcome="(\w+)"\} (\S+)$', metrics, re.MULTILINE)}
+    sec = re.search(r"^carnator_audit_seconds_total (\S+)$", metrics, re.MULTILINE)
+    out["seconds"] = round(float(sec.group(1)), 2) if sec else 0.0
+    return out
 
 
 def table(rows: list[dict]) -> str:
