@@ -115,6 +115,8 @@ def test_cycle_finder_sees_a_cycle():
         ("carnator.judges", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies"]),
         # The denoiser executes plans; it never decides.
         ("carnator.denoise", ["carnator.policies", "carnator.cache", "carnator.engine", "carnator.stages"]),
+        # The recall embedder maps prompts to vectors: it knows no video model, no store and no request.
+        ("carnator.recall", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies", "carnator.stages", "carnator.service"]),
         # A stage runs one step of one request over its RequestState: it never reaches back into the engine that
         # sequences the stages, nor up into the service or the command line.
         ("carnator.stages", ["carnator.engine", "carnator.service", "carnator.cli", "carnator.bench", "carnator.calibrate.run"]),

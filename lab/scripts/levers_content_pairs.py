@@ -37,7 +37,7 @@ LEXICON = ROOT / "src/carnator/embedded/lexicon.json"
 
 def draw(out: Path, n: int = 3000, warm: int = 1000, top_k: int = 10) -> None:
     from carnator.calibrate.run import _unit
-    from carnator.embed import default_embedder
+    from carnator.recall.embedder import default_embedder
     from carnator.reuse import noun_diff
     from carnator.signature.content import LexiconContent
     from carnator_lab.traces import world_trace

@@ -242,7 +242,7 @@ def _policy_options(items: list[str]) -> dict[str, dict]:
 
 def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
     def describe_kinds() -> str:
-        from .intra_cache import describe_kinds
+        from .backbones.intra_cache import describe_kinds
 
         return describe_kinds()
 
@@ -265,7 +265,7 @@ def _engine(args):
         transformers.utils.logging.disable_progress_bar()
     intra = getattr(args, "intra_cache", None)
     if intra is not None:
-        from .intra_cache import IntraCacheSpec
+        from .backbones.intra_cache import IntraCacheSpec
 
         IntraCacheSpec.parse(intra)  # a bad kind or option fails before the model loads
     capacity = None
