@@ -70,12 +70,12 @@ def main() -> int:
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    import carnator.embed
+    import carnator.recall.embedder
     from carnator.cli import main as carnator_main
     from carnator.testing import hashed_embedder, tiny_clip
 
     if not a.real_embedder:
-        carnator.embed.default_embedder = lambda: hashed_embedder(64)
+        carnator.recall.embedder.default_embedder = lambda: hashed_embedder(64)
     t0 = time.perf_counter()
     model, clip = work / "wan", work / "clip"
     if not (model / "model_index.json").exists():

@@ -20,7 +20,7 @@ from carnator.request import Params
 from carnator import Carnator, EngineConfig
 from carnator.embedded.judge import DEFAULT_DELTAS, ShapesJudge
 from carnator.policies.carnator import SHIPPED_THRESHOLDS
-from carnator.reuse import clopper_pearson_lower, clopper_pearson_upper
+from carnator.calibrate.certify import clopper_pearson_lower, clopper_pearson_upper
 from carnator.service.audit import CHANNEL, live_bounds, tier_state, verdicts_to_disable
 from carnator.testing import hashed_embedder
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-import carnator.embed
+import carnator.recall.embedder
 from carnator import Carnator
 from carnator.cli import main
 from carnator.errors import CarnatorError
@@ -32,7 +32,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def _offline_and_fast(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(carnator.embed, "default_embedder", lambda: hashed_embedder(32))
+    monkeypatch.setattr(carnator.recall.embedder, "default_embedder", lambda: hashed_embedder(32))
 
 
 def run(capsys, *argv):

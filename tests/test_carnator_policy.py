@@ -7,7 +7,7 @@ import math
 import pytest
 
 from carnator import Carnator, EngineConfig
-from carnator.embed import TextEmbedder
+from carnator.recall.embedder import TextEmbedder
 from carnator.errors import CarnatorError
 from carnator.reuse import Thresholds
 from carnator.testing import hashed_embedder

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-import carnator.embed
+import carnator.recall.embedder
 from carnator.cli import main
-from carnator.embed import TextEmbedder
+from carnator.recall.embedder import TextEmbedder
 from carnator.testing import hashed_embedder, tiny_pipeline
 from carnator.video import read_video
 
@@ -28,7 +28,7 @@ TINY = ["--frames", "5", "--height", "16", "--width", "16", "--steps", "2", "--g
 
 
 #: the real default (MiniLM), before the autouse fixture below swaps in the fake one
-REAL_DEFAULT_EMBEDDER = carnator.embed.default_embedder
+REAL_DEFAULT_EMBEDDER = carnator.recall.embedder.default_embedder
 
 
 def fake_embedder(dim: int = 32) -> TextEmbedder:
@@ -46,7 +46,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def _offline_and_fast(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(carnator.embed, "default_embedder", lambda: fake_embedder())
+    monkeypatch.setattr(carnator.recall.embedder, "default_embedder", lambda: fake_embedder())
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-import carnator.embed
+import carnator.recall.embedder
 from carnator import Carnator
 from carnator.cli import main
 from carnator.demo import STREAM, run_demo
@@ -76,7 +76,7 @@ def test_a_second_run_on_the_same_cache_says_it_replays(demo, tmp_path):
 
 
 def test_cli_demo_uses_its_own_fresh_cache(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(carnator.embed, "default_embedder", lambda: hashed_embedder(64))
+    monkeypatch.setattr(carnator.recall.embedder, "default_embedder", lambda: hashed_embedder(64))
     out = tmp_path / "d"
     argv = ["demo", "--out", str(out), "--steps", str(STEPS), "--device", "cpu"]
     for _ in range(2):  # a second run starts from an empty cache again

@@ -17,7 +17,7 @@ import torch
 from carnator.backbones import adapter_for
 from carnator.cache import CacheBank
 from carnator.denoise import Program, run_steps, start
-from carnator.embed import TextEmbedder
+from carnator.recall.embedder import TextEmbedder
 from carnator.engine import Carnator, EngineConfig
 from carnator.errors import CarnatorError, InvalidRequestError, ModelLoadError
 from carnator.request import to_uint8

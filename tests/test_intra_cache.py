@@ -20,7 +20,7 @@ from carnator.reuse import ScopeConfig
 from carnator import Carnator, EngineConfig
 from carnator.cli import main
 from carnator.errors import CarnatorError
-from carnator.intra_cache import IntraCacheSpec, supported_kinds
+from carnator.backbones.intra_cache import IntraCacheSpec, supported_kinds
 from carnator.reuse import Thresholds
 from carnator.testing import TINY_SETTINGS, hashed_embedder, tiny_pipeline
 

@@ -106,14 +106,20 @@ def test_cycle_finder_sees_a_cycle():
         # The store only stores.
         ("carnator.cache", ["carnator.backbones", "carnator.engine", "carnator.policies", "carnator.denoise", "carnator.reuse", "carnator.service"]),
         # The compatibility math and the signature know no model and no store.
-        ("carnator.reuse", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies", "carnator.denoise"]),
+        ("carnator.reuse", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies", "carnator.denoise", "carnator.calibrate"]),
+        # Calibration's maths selects and certifies from labelled pairs: no model, no store, no engine; the run that
+        # generates and judges the pairs (carnator.calibrate.run) is the only part that drives an engine.
+        ("carnator.calibrate.certify", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies", "carnator.denoise",
+                                        "carnator.stages", "carnator.judges", "carnator.calibrate.run"]),
         ("carnator.signature", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies", "carnator.reuse"]),
         ("carnator.judges", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies"]),
         # The denoiser executes plans; it never decides.
         ("carnator.denoise", ["carnator.policies", "carnator.cache", "carnator.engine", "carnator.stages"]),
+        # The recall embedder maps prompts to vectors: it knows no video model, no store and no request.
+        ("carnator.recall", ["carnator.backbones", "carnator.cache", "carnator.engine", "carnator.policies", "carnator.stages", "carnator.service"]),
         # A stage runs one step of one request over its RequestState: it never reaches back into the engine that
         # sequences the stages, nor up into the service or the command line.
-        ("carnator.stages", ["carnator.engine", "carnator.service", "carnator.cli", "carnator.bench", "carnator.calibration"]),
+        ("carnator.stages", ["carnator.engine", "carnator.service", "carnator.cli", "carnator.bench", "carnator.calibrate.run"]),
         # The service queues, routes and reports: it reaches models only through the engine.
         ("carnator.service", ["carnator.backbones", "carnator.denoise", "carnator.stages", "carnator.attention"]),
     ],

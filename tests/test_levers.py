@@ -13,7 +13,8 @@ import torch
 from carnator import Carnator, EngineConfig
 from carnator.embedded import HERE
 from carnator.judges import register_judge
-from carnator.reuse import CalibrationPair, Discrepancies, Thresholds, stratified_certification
+from carnator.calibrate.certify import CalibrationPair, stratified_certification
+from carnator.reuse import Discrepancies, Thresholds
 from carnator.signature.content import LexiconContent, change_kind, content_change, content_distance, heuristic_content
 from carnator.testing import hashed_embedder
 

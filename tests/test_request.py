@@ -237,14 +237,14 @@ def test_a_seed_from_http_reaches_the_job_row_and_the_engine_as_params(tmp_path)
     from types import SimpleNamespace
 
     from carnator.request import Params, Request
-    from carnator.service.app import _request_model, to_params
+    from carnator.service.routes.schema import request_model, to_params
     from carnator.service.events import EventHub
     from carnator.service.jobs import SqliteJobStore
     from carnator.service.metrics import ServiceMetrics
     from carnator.service.server import Service
     from carnator.service.worker import Device, WorkerPool
 
-    body = _request_model(("carnator", "dense"), 50)(prompt="a red ball on grass", seed=987654321, policy="dense")
+    body = request_model(("carnator", "dense"), 50)(prompt="a red ball on grass", seed=987654321, policy="dense")
     params = to_params(body, "t1")
     assert type(params) is Params and params.seed == 987654321 and params.tenant == "t1"
 

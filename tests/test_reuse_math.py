@@ -11,28 +11,30 @@ import pytest
 from scipy.stats import beta, binom
 
 from carnator.errors import CarnatorError
-from carnator.reuse import (
+from carnator.calibrate.certify import (
     CalibrationConfig,
     CalibrationPair,
+    calibrate,
+    clopper_pearson_upper,
+    evaluate,
+    select_thresholds,
+    separation,
+    split_pairs,
+)
+from carnator.reuse import (
     CompatConfig,
     Discrepancies,
     NounDiff,
     ScopeConfig,
     Thresholds,
     blend_weight,
-    calibrate,
-    clopper_pearson_upper,
     compatible,
     discrepancies,
-    evaluate,
     first_compatible,
     noun_diff,
     reuse_scope,
-    select_thresholds,
-    separation,
     shape_distance,
     smoothstep,
-    split_pairs,
     upsample_tokens,
 )
 from carnator.reuse.compat import _area_weights
@@ -461,7 +463,7 @@ def _fake_engine(**kw):
 def test_resumed_calibration_relabels_stored_pairs_under_its_own_rule(tmp_path):
     """A finished pairs.jsonl re-run with other deltas: labels come from the stored scores and this
     run's rule (hand-computed), not from the stored labels; no pair is generated again."""
-    from carnator.calibration import run_calibration
+    from carnator.calibrate.run import run_calibration
 
     scores = [((1.0, 0.05), (0.8, 0.06)),   # lost 0.2: fails 0.1, passes 0.25
               ((0.9, 0.05), (0.9, 0.05)),   # equal: passes both
@@ -487,7 +489,7 @@ def test_select_only_calibration_uses_every_stored_pair_and_generates_none(tmp_p
     """calibrate --select-only: the stored pairs (holes and all, as a cut --jobs run leaves them) are selected and
     certified whatever --pairs says; the engine has no generate, embedder or bank, so touching one would raise.
     With no pairs stored it is a one-line error."""
-    from carnator.calibration import run_calibration
+    from carnator.calibrate.run import run_calibration
     from carnator.errors import CarnatorError
     from carnator.policies.carnator import CarnatorPolicy
 
@@ -524,7 +526,7 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
     unsharded run finds every pair stored, generates none, and selects over all of them."""
     from types import SimpleNamespace
 
-    from carnator.calibration import run_calibration
+    from carnator.calibrate.run import run_calibration
 
     pairs = [("noun", f"a red ball {k}", k, f"a red box {k}", 100 + k) for k in range(5)]
     calls = []
@@ -559,7 +561,7 @@ def test_sharded_calibration_generates_each_pair_once(tmp_path, monkeypatch):
 
 def test_calibration_without_reusable_pairs_is_a_clear_error(tmp_path):
     """Pairs stored but none reused (e.g. fewer steps than the resume step): one-line error, no traceback of the split."""
-    from carnator.calibration import run_calibration
+    from carnator.calibrate.run import run_calibration
     from carnator.errors import CarnatorError
 
     with open(tmp_path / "pairs.jsonl", "w") as f:
@@ -576,7 +578,7 @@ def test_stream_pairs_take_the_first_recalled_candidate_that_passes_the_noun_fil
     only within the top K, never the request itself (an exact hit ends the search without a pair), and the kind
     says when recall handed over another warm request than the one the edit came from."""
     from carnator.bench.traces import TraceRequest
-    from carnator.calibration import recall_pairs
+    from carnator.calibrate.run import recall_pairs
 
     warm = [TraceRequest("a red ball on grass", 1, "warm"),       # 0: ball, grass
             TraceRequest("a blue box on snow", 2, "warm"),        # 1: box, snow
@@ -605,7 +607,7 @@ def test_stream_pairs_take_the_first_recalled_candidate_that_passes_the_noun_fil
 
 def test_calibration_refuses_to_mix_pair_sources(tmp_path):
     """A folder started with edit pairs is not continued with stream pairs (their indices would mean other pairs)."""
-    from carnator.calibration import run_calibration
+    from carnator.calibrate.run import run_calibration
     from carnator.errors import CarnatorError
 
     (tmp_path / "pairs.meta.json").write_text(json.dumps({"pairs_from": "edits"}))
@@ -617,7 +619,7 @@ def test_calibration_refuses_to_mix_pair_sources(tmp_path):
 def test_backfill_text_is_one_minus_the_recall_cosine():
     """Rows stored before d_text existed get 1 - cosine of their prompts' embeddings (hand-made embedder:
     cos 1, 0.6 and 0); rows that have it, or were not reused, are left alone."""
-    from carnator.calibration import backfill_text
+    from carnator.calibrate.run import backfill_text
 
     vecs = {"a": [1.0, 0.0], "a'": [2.0, 0.0], "b": [0.6, 0.8], "c": [0.0, 3.0]}
     emb = lambda texts: np.array([vecs[t] for t in texts])  # noqa: E731
@@ -631,7 +633,7 @@ def test_backfill_text_is_one_minus_the_recall_cosine():
 def test_allowed_unsafe_point_and_bound():
     """Selection feasibility as a table over the accepted count: the paper's point rule floor(delta k), and the
     Clopper-Pearson rule (0 unsafe needs 1 - 0.1**(1/k) <= 0.05, i.e. k >= 45 at 90 %; checked against scipy)."""
-    from carnator.reuse.calibrate import allowed_unsafe
+    from carnator.calibrate.certify import allowed_unsafe
 
     assert allowed_unsafe(45, 0.05).tolist() == [k // 20 for k in range(46)]
     a = allowed_unsafe(120, 0.05, 0.9)
@@ -678,7 +680,7 @@ def test_fit_logistic_is_the_penalized_optimum():
     installed, finds the same weights."""
     from scipy.special import expit
 
-    from carnator.reuse import fit_logistic
+    from carnator.calibrate.certify import fit_logistic
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(200, 3))
@@ -698,7 +700,7 @@ def test_linear_rule_selects_the_loosest_feasible_score_and_certifies():
     """Context alone decides safety: context <= 2 safe, above unsafe. The fitted score is increasing in context, so
     the loosest feasible threshold at delta 0 accepts exactly the safe pairs; certification counts them and the bound
     is the Clopper-Pearson one (scipy), with the per-dimension thresholds off."""
-    from carnator.reuse import select_risk
+    from carnator.calibrate.certify import select_risk
 
     ctx = np.linspace(0, 5, 60)
     pairs = [CalibrationPair(Discrepancies(context=float(c), text=0.1), acceptable=bool(c <= 2.0)) for c in ctx]

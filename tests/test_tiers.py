@@ -10,8 +10,8 @@ import pytest
 
 from carnator import Carnator, EngineConfig
 from carnator.judges import register_judge
-from carnator.reuse import CalibrationConfig, Thresholds, split_pairs
-from carnator.reuse.calibrate import certify_tiers
+from carnator.calibrate.certify import CalibrationConfig, certify_tiers, split_pairs
+from carnator.reuse import Thresholds
 from carnator.reuse.tiers import Tier
 from carnator.testing import hashed_embedder
 
@@ -64,7 +64,7 @@ def test_a_kind_too_few_or_too_unsafe_to_certify_gets_no_certified_tier():
 
 
 def test_an_edits_rule_reads_the_attribute_it_asks_and_the_noise_floor_is_dense_against_another_sample():
-    from carnator.calibration import noise_floor
+    from carnator.calibrate.run import noise_floor
     from carnator.cli import _tier_rules, build_parser
     from carnator.errors import CarnatorError
     from carnator.judges import QualityRule, get_judge

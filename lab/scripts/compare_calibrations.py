@@ -9,9 +9,9 @@ import argparse
 import gzip
 import json
 
-from carnator.calibration import calibration_pair, reused_rows
+from carnator.calibrate.run import calibration_pair, reused_rows
 from carnator.embedded.judge import shapes_rule
-from carnator.reuse import separation
+from carnator.calibrate.certify import separation
 
 
 def load(path: str, rule) -> dict:

@@ -26,10 +26,10 @@ import json
 import math
 from pathlib import Path
 
-from carnator.calibration import calibration_pair
+from carnator.calibrate.run import calibration_pair
 from carnator.judges import QualityRule
-from carnator.reuse import CalibrationConfig, Discrepancies, Thresholds, split_pairs, stratified_certification
-from carnator.reuse.calibrate import CalibrationPair
+from carnator.calibrate.certify import CalibrationConfig, CalibrationPair, split_pairs, stratified_certification
+from carnator.reuse import Discrepancies, Thresholds
 from carnator.signature.content import LexiconContent, change_kind, content_distance
 
 ROOT = Path(__file__).resolve().parents[2]

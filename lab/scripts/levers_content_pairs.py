@@ -36,8 +36,8 @@ LEXICON = ROOT / "src/carnator/embedded/lexicon.json"
 
 
 def draw(out: Path, n: int = 3000, warm: int = 1000, top_k: int = 10) -> None:
-    from carnator.calibration import _unit
-    from carnator.embed import default_embedder
+    from carnator.calibrate.run import _unit
+    from carnator.recall.embedder import default_embedder
     from carnator.reuse import noun_diff
     from carnator.signature.content import LexiconContent
     from carnator_lab.traces import world_trace
@@ -130,10 +130,10 @@ def certify(args) -> None:
     sys.path.insert(0, str(ROOT / "lab/scripts"))
     from levers_calibrate import GATE, ORDER
 
-    from carnator.calibration import calibration_pair
+    from carnator.calibrate.run import calibration_pair
     from carnator.judges import QualityRule
-    from carnator.reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, split_pairs
-    from carnator.reuse import stratified_certification
+    from carnator.calibrate.certify import CalibrationConfig, CalibrationPair, split_pairs, stratified_certification
+    from carnator.reuse import Discrepancies, Thresholds
     from carnator.signature.content import LexiconContent, change_kind, content_distance
 
     rule = QualityRule({"fidelity": 0.25, "artifact": 0.1}, {"fidelity": 1, "artifact": -1})
@@ -197,7 +197,8 @@ def tier_certify(args) -> None:
     the thresholds file's ``meta.resume`` names the step as its default and adds it to the certified steps."""
     import math
 
-    from carnator.reuse import CalibrationPair, Discrepancies, Thresholds, stratified_certification
+    from carnator.calibrate.certify import CalibrationPair, stratified_certification
+    from carnator.reuse import Discrepancies, Thresholds
 
     pairs = [json.loads(x) for x in _text(args.pairs).splitlines()]
     rows = [r for r in map(json.loads, _text(args.rows).splitlines()) if r["hit"]]

@@ -9,7 +9,7 @@ CC BY-NC 4.0, research use only). Prompts are de-duplicated (lower-cased, whites
 then per seed shuffled: the first W form the warm cache, the next S the test stream, disjoint by
 text. No generation runs: for each test prompt only the recall stage does, as the engine would:
 
-- the recall embedding (MiniLM, ``carnator.embed.default_embedder``) ranks the warm prompts by
+- the recall embedding (MiniLM, ``carnator.recall.embedder.default_embedder``) ranks the warm prompts by
   cosine and keeps the top K (paper: 10);
 - the shared text gate of the baselines (``TextGate``, cosine of the nearest >= 0.65) passes or not;
 - carnator's noun filter (``extract_nouns`` + ``noun_diff``: identical noun sets or exactly one
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers as JSON here")
     args = ap.parse_args(argv)
 
-    from carnator.embed import default_embedder
+    from carnator.recall.embedder import default_embedder
     from carnator.signature.nouns import extract_nouns, spacy_available
 
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ Reads ``carnator calibrate`` rows (pairs.jsonl). Prints
   colour only, in ``context``);
 * the cross-validated AUC (5 folds) of a logistic regression on log(1 + d) of the five discrepancies plus a
   "no substitution" flag (``reuse.risk_features``, what ``--rule linear`` fits on), and of text alone;
-* ``carnator.reuse.calibrate`` with each decision rule on ``--splits`` random splits (split seeds 0..; selection
+* ``carnator.calibrate.certify`` with each decision rule on ``--splits`` random splits (split seeds 0..; selection
   share ``--fractions``, the paper's 0.3) at each of ``--deltas``: the paper's box of per-dimension thresholds
   (``--box-candidates`` grid values per dimension; calibrate's default is 64, which takes minutes per split) and
   ``rule="linear"`` (that risk score fitted on the selection split, one threshold on it), each with every
@@ -30,8 +30,9 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import cross_val_predict
 
-from carnator.calibration import calibration_pair
-from carnator.reuse import CalibrationConfig, CompatConfig, calibrate, noun_diff, risk_features, separation
+from carnator.calibrate.run import calibration_pair
+from carnator.calibrate.certify import CalibrationConfig, calibrate, separation
+from carnator.reuse import CompatConfig, noun_diff, risk_features
 from carnator.reuse.compat import shape_distance
 from carnator.signature import EarlySignature
 from carnator.signature.nouns import extract_nouns

@@ -8,7 +8,7 @@ label (acceptable or not) of any rule "fidelity >= dense - DF and artifact <= de
 function of the file. For each rule this prints the acceptable share of reused pairs and of the
 re-roll pairs (same prompt, new seed: a reuse that should be as good as dense, so its unacceptable
 share is the rule's noise floor), and the selection / certification numbers of
-`carnator.reuse.calibrate` with the default CalibrationConfig.
+`carnator.calibrate.certify` with the default CalibrationConfig.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from carnator.calibration import calibration_pair, reused_rows
+from carnator.calibrate.run import calibration_pair, reused_rows
 from carnator.embedded.judge import shapes_rule
-from carnator.reuse import CalibrationConfig, calibrate
+from carnator.calibrate.certify import CalibrationConfig, calibrate
 
 
 def main() -> int:

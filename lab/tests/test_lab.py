@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-import carnator.embed
+import carnator.recall.embedder
 from carnator_lab.cli import main
 
-REAL_DEFAULT_EMBEDDER = carnator.embed.default_embedder
+REAL_DEFAULT_EMBEDDER = carnator.recall.embedder.default_embedder
 
 
 @pytest.mark.slow
@@ -21,7 +21,7 @@ def test_bench_jobs_runs_policies_in_processes_with_the_same_quality_and_hits(tm
     folder; every quality and hit number equals a one-process run's (the speed columns are measured under
     contention, so they are not compared)."""
     # The worker processes load the real recall embedder; so must this process, or recall would differ.
-    monkeypatch.setattr(carnator.embed, "default_embedder", REAL_DEFAULT_EMBEDDER)
+    monkeypatch.setattr(carnator.recall.embedder, "default_embedder", REAL_DEFAULT_EMBEDDER)
     common = ["bench", "--warm", "4", "--test", "3", "--steps", "3", "--policies", "dense,nirvana", "--device", "cpu",
               "--cache-dir", str(tmp_path / "c"), "--keep-clips", "0"]
     assert main(common + ["--jobs", "3", "--out", str(tmp_path / "par")]) == 0

@@ -242,7 +242,7 @@ def _policy_options(items: list[str]) -> dict[str, dict]:
 
 def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
     def describe_kinds() -> str:
-        from .intra_cache import describe_kinds
+        from .backbones.intra_cache import describe_kinds
 
         return describe_kinds()
 
@@ -265,7 +265,7 @@ def _engine(args):
         transformers.utils.logging.disable_progress_bar()
     intra = getattr(args, "intra_cache", None)
     if intra is not None:
-        from .intra_cache import IntraCacheSpec
+        from .backbones.intra_cache import IntraCacheSpec
 
         IntraCacheSpec.parse(intra)  # a bad kind or option fails before the model loads
     capacity = None
@@ -391,8 +391,8 @@ def _resume_steps(text: str) -> list[int]:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibration import run_calibration
-    from .reuse import CalibrationConfig
+    from .calibrate.run import run_calibration
+    from .calibrate.certify import CalibrationConfig
 
     if args.pairs < 4:
         raise CarnatorError("--pairs must be at least 4")
@@ -453,7 +453,7 @@ def _calibration_pairs(args, eng):
         drawn = json.loads(meta.read_text()) if meta.is_file() else {"pairs_file": Path(args.pairs_file).name}
         return rows[: args.pairs], drawn
     from .bench.traces import prompt_trace
-    from .calibration import recall_pairs
+    from .calibrate.run import recall_pairs
 
     trace = prompt_trace(args.prompts, args.warm)
     top_k = eng.policy("carnator").cfg.top_k

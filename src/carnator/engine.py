@@ -65,7 +65,7 @@ class EngineConfig:
     policy_options: per policy name, its config fields (``{"carnator": {"modifiers": 1}}``).
     intra_cache: one of diffusers' per-request caches applied to the transformer under every policy
         (None = off): a kind name, "KIND:opt=value,...", or {"kind": KIND, opt: value}; kinds first_block,
-        pab, faster, taylorseer, mag (see :mod:`carnator.intra_cache` and docs/METHOD.md). Its hooks keep state on
+        pab, faster, taylorseer, mag (see :mod:`carnator.backbones.intra_cache` and docs/METHOD.md). Its hooks keep state on
         the transformer, so an engine with one runs its requests one at a time.
     cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
         applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
@@ -202,7 +202,7 @@ class Carnator:
         #: whether the pipeline's transformer has its weights here (False: ``from_pretrained(dit=False)``, no generation)
         self.dit = _device_type(self.adapter.transformer) != "meta"
         self.model_identity = model_identity or self.adapter.model_identity()
-        from .intra_cache import IntraCacheSpec
+        from .backbones.intra_cache import IntraCacheSpec
 
         self.intra_cache_spec = IntraCacheSpec.parse(self.config.intra_cache)
         self.adapter.use_intra_cache(self.intra_cache_spec)  # an unsupported kind fails here, before any request
@@ -262,7 +262,7 @@ class Carnator:
     @property
     def embedder(self) -> Callable[[str], np.ndarray]:
         if self._embedder is None:
-            from .embed import default_embedder
+            from .recall.embedder import default_embedder
 
             self._embedder = default_embedder()
         return self._embedder
@@ -271,7 +271,7 @@ class Carnator:
     def embedder_identity(self) -> str:
         """What recall embeddings are keyed by (entries of another embedder are never recalled)."""
         if self._embedder is None:
-            from .embed import DEFAULT_EMBEDDER_IDENTITY
+            from .recall.embedder import DEFAULT_EMBEDDER_IDENTITY
 
             return DEFAULT_EMBEDDER_IDENTITY
         e = self._embedder

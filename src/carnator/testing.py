@@ -241,7 +241,7 @@ def hashed_embedder(dim: int = 32):
 
     import numpy as np
 
-    from .embed import TextEmbedder
+    from .recall.embedder import TextEmbedder
 
     def encode(texts):
         out = np.zeros((len(texts), dim), dtype=np.float32)

@@ -50,7 +50,7 @@ def cmd_calibrate(args, rest: list[str]) -> int:
     out = Path(args.out)
     if args.select_only:
         return carnator_main(["calibrate", "--select-only", "--out", str(out), *_quality(args), *rest])
-    from carnator.embed import default_embedder
+    from carnator.recall.embedder import default_embedder
 
     from .pairs import make_pairs, stream_pairs
 

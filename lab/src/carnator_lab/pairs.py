@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from carnator.calibration import recall_pairs
+from carnator.calibrate.run import recall_pairs
 from carnator.errors import CarnatorError
 
 from .traces import MIX

@@ -110,7 +110,7 @@ class BackboneAdapter(ABC):
 
         set_branches(branches)
 
-    # ---- diffusers' intra-request caches (carnator.intra_cache) ----------------------------------
+    # ---- diffusers' intra-request caches (carnator.backbones.intra_cache) ----------------------------------
     #: per kind, the diffusers config fields that fit this family (which modules to hook, output layout)
     intra_cache_options: ClassVar[dict[str, dict[str, Any]]] = {}
     #: per kind, why it cannot run on this family
@@ -120,15 +120,15 @@ class BackboneAdapter(ABC):
 
     @property
     def intra_cache(self):
-        """The :class:`~carnator.intra_cache.IntraCache` applied to this transformer, or None."""
+        """The :class:`~carnator.backbones.intra_cache.IntraCache` applied to this transformer, or None."""
         return self._intra
 
     def use_intra_cache(self, spec):
-        """Apply ``spec`` (see :class:`~carnator.intra_cache.IntraCacheSpec`; None removes any) to the transformer.
+        """Apply ``spec`` (see :class:`~carnator.backbones.intra_cache.IntraCacheSpec`; None removes any) to the transformer.
 
-        Raises :class:`~carnator.intra_cache.IntraCacheError` (a CarnatorError) naming the kinds that work
+        Raises :class:`~carnator.backbones.intra_cache.IntraCacheError` (a CarnatorError) naming the kinds that work
         when this family cannot run it. Returns the applied cache (hooks go on at the next forward)."""
-        from ..intra_cache import IntraCache, IntraCacheSpec
+        from .intra_cache import IntraCache, IntraCacheSpec
 
         spec = IntraCacheSpec.parse(spec)
         tr = self.transformer

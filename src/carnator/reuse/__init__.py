@@ -1,21 +1,6 @@
-"""Reuse decisions and scope: noun filter, compatibility test, risk-aware calibration, reuse regions."""
+"""Reuse decisions and scope: noun filter, compatibility test, risk tiers, reuse regions (the thresholds' calibration:
+:mod:`carnator.calibrate`)."""
 
-from .calibrate import (
-    CalibrationConfig,
-    CalibrationPair,
-    CalibrationResult,
-    calibrate,
-    certify_tiers,
-    clopper_pearson_lower,
-    clopper_pearson_upper,
-    evaluate,
-    fit_logistic,
-    select_risk,
-    select_thresholds,
-    separation,
-    split_pairs,
-    stratified_certification,
-)
 from .compat import (
     THRESHOLDS_FORMAT_VERSION,
     CompatConfig,
@@ -36,9 +21,6 @@ from .regions import ReuseScope, ScopeConfig, blend_weight, cross_attention_regi
 
 __all__ = [
     "THRESHOLDS_FORMAT_VERSION",
-    "CalibrationConfig",
-    "CalibrationPair",
-    "CalibrationResult",
     "CompatConfig",
     "CompatResult",
     "Discrepancies",
@@ -48,26 +30,15 @@ __all__ = [
     "ScopeConfig",
     "Thresholds",
     "blend_weight",
-    "calibrate",
-    "certify_tiers",
-    "clopper_pearson_lower",
-    "clopper_pearson_upper",
     "compatible",
     "cross_attention_region",
     "discrepancies",
-    "evaluate",
     "explain",
     "first_compatible",
-    "fit_logistic",
     "noun_diff",
     "reuse_scope",
     "risk_features",
-    "select_risk",
-    "select_thresholds",
-    "separation",
     "shape_distance",
     "smoothstep",
-    "split_pairs",
-    "stratified_certification",
     "upsample_tokens",
 ]

@@ -280,7 +280,7 @@ class RiskScore:
     The paper's rule is a box, one threshold per discrepancy. On the embedded world the discrepancies are weak
     alone (AUC 0.62-0.77) and a logistic regression on all of them separates better (cross-validated AUC 0.80;
     docs/METHOD.md). ``carnator calibrate --rule linear`` fits the weights on the selection split and
-    selects and certifies ``threshold`` as the box's thresholds are (:func:`carnator.reuse.calibrate.calibrate`).
+    selects and certifies ``threshold`` as the box's thresholds are (:func:`carnator.calibrate.certify.calibrate`).
     """
 
     weights: tuple[float, ...]
@@ -321,7 +321,7 @@ class Thresholds:
 
     Defaults are the paper's certified thresholds on its setup (PAPER step 5; Wan2.2-TI2V-5B,
     VidProM): context 1.62, size 2.17, shape 1.00, colour 7.58, and no text threshold (the paper has
-    none). They are only meaningful for that model; calibrate (:mod:`carnator.reuse.calibrate`) for any other.
+    none). They are only meaningful for that model; calibrate (:mod:`carnator.calibrate.certify`) for any other.
     A file without ``text`` (written before it existed) loads with it off.
     """
 

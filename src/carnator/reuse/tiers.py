@@ -7,7 +7,7 @@ first steps settle its colour. Each kind gets its own :class:`Tier` (resume step
 the Clopper-Pearson bound of the unsafe share among that kind's calibration reuses at that step. A kind without a
 certified tier is a miss.
 
-:func:`carnator.reuse.calibrate.certify_tiers` selects each kind's step on one split of its pairs (the latest step, so the fewest recomputed
+:func:`carnator.calibrate.certify.certify_tiers` selects each kind's step on one split of its pairs (the latest step, so the fewest recomputed
 steps, whose unsafe share there could still certify at the other split's size) and certifies it on the other, once.
 """
 

@@ -2,8 +2,8 @@
 
 Layers: :mod:`.jobs` (the :class:`~.jobs.JobStore` protocol and its SQLite implementation), :mod:`.worker` (one
 worker thread per device, fair across tenants), :mod:`.events` (live events for SSE), :mod:`.metrics` (Prometheus),
-:mod:`.app` (the FastAPI routes) and :mod:`.server` (wiring, uvicorn, start-up and shutdown). Needs the ``serve``
-extra (``pip install carnator[serve]``).
+:mod:`.routes` (the HTTP routes, one router per feature), :mod:`.app` (the FastAPI app assembling them) and
+:mod:`.server` (wiring, uvicorn, start-up and shutdown). Needs the ``serve`` extra (``pip install carnator[serve]``).
 """
 
 from __future__ import annotations

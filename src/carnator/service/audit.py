@@ -50,7 +50,7 @@ import numpy as np
 from ..errors import Cancelled, CarnatorError
 from ..judges import Judge, QualityRule, get_judge
 from ..request import Params
-from ..reuse.calibrate import clopper_pearson_lower, clopper_pearson_upper
+from ..calibrate.certify import clopper_pearson_lower, clopper_pearson_upper
 from ..reuse.compat import Thresholds
 
 log = logging.getLogger("carnator.service")

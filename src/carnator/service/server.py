@@ -325,7 +325,8 @@ def run(config: ServeConfig, *, out: Callable[[str], None] | None = None) -> int
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     with job_table_lock(config.store, cache_dir) as held:
         service = Service(config, server_lock=held)
-        from .app import create_app, json_http_protocol
+        from .app import create_app
+        from .http import json_http_protocol
 
         app = create_app(service)
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="on",

@@ -153,7 +153,7 @@ def change_kind(query_text: str, source_text: str, query: Sequence[str] | None, 
     """The kind of change from a cached request to a new one: "re-roll" (the same prompt), "rewording" (the same
     content in other words), "object" / "colour" / "size" / "motion" (one object's attribute), "place", "count" (another
     number of objects), "several" (more than one of these), or "unknown" (a content not recorded). Used to certify and
-    report per kind (:func:`carnator.reuse.stratified_certification`)."""
+    report per kind (:func:`carnator.calibrate.certify.stratified_certification`)."""
     if " ".join(query_text.lower().split()) == " ".join(source_text.lower().split()):
         return "re-roll"
     if query is None or source is None:

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 from scipy.stats import beta
 
-from .compat import DIMENSIONS, Discrepancies, RiskScore, Thresholds, risk_features
-from .tiers import SAME_CONTENT_KINDS
+from ..reuse.compat import DIMENSIONS, Discrepancies, RiskScore, Thresholds, risk_features
+from ..reuse.tiers import SAME_CONTENT_KINDS
 
 __all__ = [
     "CalibrationConfig",
@@ -485,7 +485,7 @@ def certify_tiers(rows: Sequence[Mapping[str, Any]], cfg: CalibrationConfig = Ca
 
     ``rows``: one per (pair, resume step) with ``i`` (the pair), ``change`` (its kind), ``resume_step``,
     ``num_steps``, ``hit`` (the forced reuse ran: the source passed the admission gate and a region was found) and
-    ``acceptable`` (the judge's label). Each kind's pairs are split as :func:`~carnator.reuse.split_pairs` splits
+    ``acceptable`` (the judge's label). Each kind's pairs are split as :func:`split_pairs` splits
     (``cfg.selection_fraction``, ``cfg.split_seed``); on the selection split the latest step whose unsafe share among
     the reused would still certify at the size of the certification split's reuses (or, with
     ``cfg.selection_confidence``, whose bound is within ``cfg.delta``) is chosen, then certified once on the

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CarnatorError
+from ..errors import CarnatorError
 
 if TYPE_CHECKING:
-    from .backbones.base import BackboneAdapter
+    from .base import BackboneAdapter
 
 
 class IntraCacheError(CarnatorError):

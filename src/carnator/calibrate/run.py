@@ -8,7 +8,7 @@ For each pair the cached request is generated through the carnator policy (so it
 query is generated densely and through a *forced* reuse of that entry (thresholds open), both are scored by the judge
 (the reuse also against the dense clip, for reference scores), and the pair is labelled acceptable by the
 :class:`~carnator.judges.QualityRule`. Thresholds are selected on one split and certified on the other
-(:func:`carnator.reuse.calibrate`). Every pair is appended to a JSONL file as it finishes, so an interrupted run
+(:func:`carnator.calibrate.certify.calibrate`). Every pair is appended to a JSONL file as it finishes, so an interrupted run
 resumes; a run resumed with another rule relabels the stored pairs from their stored scores (no generation).
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CarnatorError
-from .judges import Judge, QualityRule
-from .reuse import CalibrationConfig, CalibrationPair, Discrepancies, Thresholds, calibrate, separation
-from .reuse.calibrate import certify_tiers
-from .reuse.tiers import KINDS, SAME_CONTENT_KINDS, Tier
-from .signature.content import change_kind
+from ..errors import CarnatorError
+from ..judges import Judge, QualityRule
+from ..reuse import Discrepancies, Thresholds
+from ..reuse.tiers import KINDS, SAME_CONTENT_KINDS, Tier
+from ..signature.content import change_kind
+from .certify import CalibrationConfig, CalibrationPair, calibrate, certify_tiers, separation
 
 Pair = tuple[str, str, int, str, int]
 
@@ -77,7 +77,7 @@ def recall_pairs(warm, stream, embedder, nouns, *, top_k: int = 10, n: int | Non
     makes no pair. Returns up to ``n`` (kind, source caption, source seed, target caption, target seed) tuples;
     ``kind`` is the stream request's, with ``"/other"`` appended when the source is not the warm request the
     edit was made from."""
-    from .reuse import noun_diff
+    from ..reuse import noun_diff
 
     W, Q = _unit(embedder, [r.prompt for r in warm]), _unit(embedder, [r.prompt for r in stream])
     warm_nouns = [nouns(r.prompt) for r in warm]
@@ -124,7 +124,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
 
     ``resume_step``: one step, or several (risk tiers): each pair's source is then generated once and its target
     reused from every step, one row per (pair, step), and the thresholds file certifies one tier per kind of change
-    (:func:`carnator.reuse.certify_tiers`) instead of one set of thresholds. ``tier_scope``: how those reuses
+    (:func:`carnator.calibrate.certify.certify_tiers`) instead of one set of thresholds. ``tier_scope``: how those reuses
     recompute: "frame" every token from the step, "region" the probe's regions (blending the source in outside them),
     "auto" frame for re-rolls and rewordings, region for edits. ``tier_rules``: a kind of change's own rule (an edit's
     rule reads the attribute it asks for), the ``rule`` for the others.
@@ -133,7 +133,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     judged (``dense_other``): how often the rule fails dense against dense, per kind, is the summary's ``noise_floor``
     - the unsafe share a reuse shows when it is merely another sample of the target, which the certificate cannot
     get below."""
-    from .policies.carnator import DEFAULT_RESUME_STEP, CarnatorConfig, CarnatorPolicy
+    from ..policies.carnator import DEFAULT_RESUME_STEP, CarnatorConfig, CarnatorPolicy
 
     log_path = out_dir / "pairs.jsonl"
     generate = pairs is not None
