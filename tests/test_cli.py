@@ -474,23 +474,21 @@ def embedded_cache(tmp_path):
 
 def test_carnator_hit_line_names_source_reason_and_steps(capsys, tmp_path, embedded_cache):
     """A re-roll (same prompt, another seed) on the embedded model hits the first request: the line names the source,
-    the content check of the shipped file (the two prompts ask the same) and the steps: 29 to 31 of 32 (the file is
-    certified at step 45 of 50, which is 29 of 32), and no probe (the file decides by content alone), found by its
-    content key alone."""
+    the shipped file's re-roll tier and the steps: 29 to 31 of 32 (the tier is certified at step 45 of 50, which is 29
+    of 32), and no probe (a frame tier reads none), found by its content key alone."""
     prompt = "a small red ball moving left on grass"
     base = ["generate", prompt, "--steps", "32", "--device", "cpu", "--cache-dir", embedded_cache]
     code, out, err = run(capsys, *base, "--seed", "1", "--out", tmp_path / "a.gif", "--json")
     assert code == 0, err
     first = json.loads(out)
     assert first["decision"] == "miss" and first["steps_computed"] == 32 and first["dit_forwards"] == 64
-    assert first["reason"] == ("nothing cached asks the same (this rule reuses only a request with the same objects, "
-                               "sizes, colours, motions and place: content 0)")
+    assert first["reason"] == "nothing cached to reuse"
     code, out, err = run(capsys, *base, "--seed", "5", "--out", tmp_path / "b.gif")
     assert code == 0, err
-    assert out.startswith(f"hit: compatible with entry {first['entry_id'][:8]} ({prompt!r}, seed 1): content 0.00 <= 0.00; resumed at step 29 of 32; ")
-    # recall by content only: no sentence embedding was computed before the decision, so no text distance is shown
-    # and no probe ran, so no context distance either: the line names only the check that decided
-    assert "text" not in out and "context" not in out and "resumed at step 29 of 32" in out
+    assert out.startswith(f"hit: re-roll of {first['entry_id'][:8]} (same content): whole frame from step 29 of 32, "
+                          "100 % of tokens recomputed ")
+    # recall by content only and no probe: no text or context distance is shown
+    assert "text" not in out and "context" not in out
     assert out.rstrip().endswith(f" s, 3 of 32 steps computed (29 saved); wrote {tmp_path / 'b.gif'}")
     assert "mask" not in out and "==" not in out  # no base64 blob
 

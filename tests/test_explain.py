@@ -65,7 +65,9 @@ def test_a_colour_edit_misses_naming_its_kind_and_the_shipped_tiers(gated):
     why = edit.why
     assert why.decision == "miss" and edit.stats.notes["change"] == "colour"
     # no colour tier certifies on this model (docs/BENCHMARKS.md): the nearest cached request and what differs
-    assert why.reason.startswith("nearest cached request ") and " color red -> blue: " in why.reason
+    assert why.tested_id in (first.stats.entry_id, reroll.stats.entry_id) and why.source_prompt == PROMPT
+    assert why.reason.startswith(f"the nearest cached request, entry {why.tested_id[:8]} ({PROMPT!r}, seed ")
+    assert " differs in color red -> blue: " in why.reason
     assert why.reason.endswith("no certified tier reuses a colour change on this model (tiers: place, re-roll, rewording)")
 
 

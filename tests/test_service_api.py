@@ -178,7 +178,7 @@ def test_another_tenants_prompt_is_a_miss_and_its_jobs_are_404(server, http):
     assert wait(server, "key-alpha-0001", first["id"])["status"] == "completed"
     approx = wait(server, "key-bravo-0001", post(http, B, {**alpha, "seed": 6}).json()["id"])["stats"]
     assert approx["tier"] == "miss" and not approx["hit"] and approx["source_id"] is None, approx
-    assert approx["reason"].startswith("nothing cached asks the same")  # bravo's recall found no candidate at all
+    assert approx["reason"] == "nothing cached to reuse"  # bravo's recall found no candidate at all
     exact = wait(server, "key-bravo-0001", post(http, B, {**alpha, "cache": "exact"}).json()["id"])["stats"]
     assert exact["tier"] == "miss" and not exact["exact_hit"] and exact["source_id"] is None, exact
     # another tenant's job reads as missing, everywhere
@@ -331,9 +331,10 @@ def test_a_miss_says_what_differs_and_cache_off_says_so(server, http):
     entry = done["stats"]["entry_id"]
     colour = wait(server, "key-bravo-0001", post(http, B, {**first, "prompt": "a big red box moving up on sand"}).json()["id"])
     assert colour["stats"]["tier"] == "miss", colour["stats"]
-    assert colour["stats"]["reason"].startswith(
-        f"nothing cached asks the same; the nearest cached request, entry {entry[:8]} ('a big green box moving up on "
-        "sand', seed 1), differs in color green -> red"), colour["stats"]["reason"]
+    assert colour["stats"]["reason"] == (
+        f"the nearest cached request, entry {entry[:8]} ('a big green box moving up on sand', seed 1), differs in "
+        "color green -> red: no certified tier reuses a colour change on this model (tiers: place, re-roll, rewording)"
+    ), colour["stats"]["reason"]
     steps = wait(server, "key-bravo-0001", post(http, B, {**first, "seed": 2, "num_inference_steps": 6}).json()["id"])
     assert steps["stats"]["tier"] == "miss", steps["stats"]
     assert steps["stats"]["reason"].endswith(

@@ -62,7 +62,7 @@ def test_submit_watch_and_gallery_in_chromium(browser, tmp_path):
                                timeout=60_000)
         assert not page.locator("#gallery-empty").is_visible()
         page.wait_for_function("document.getElementById('live-status').textContent === 'completed'", timeout=60_000)
-        assert page.locator("#live-log li").filter(has_text="miss: nothing cached asks the same").count() == 1
+        assert page.locator("#live-log li").filter(has_text="miss: nothing cached to reuse").count() == 1
         # the finished video in the gallery, decoded by the browser
         video = page.locator("#gallery .card video")
         video.first.wait_for(timeout=30_000)

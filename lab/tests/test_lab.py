@@ -62,9 +62,10 @@ def test_the_librarys_shapes_judge_scores_a_clip_the_lab_rendered():
     texts = [caption(sc, rng=0) for sc in scenes]
     clip = to_uint8(render(scenes[:1]).video)[0]
     s = judge.score(clip, texts[0])
-    assert set(s) == {"fidelity", "artifact"} and s["fidelity"] == 1.0 and s["artifact"] < 0.01
+    assert set(s) == {"fidelity", "artifact", "shape", "color", "size", "motion", "background"}
+    assert s["fidelity"] == 1.0 and s["artifact"] < 0.01 and all(s[k] == 1.0 for k in ("shape", "color", "size", "background"))
     assert judge.score(clip, texts[1])["fidelity"] < 1.0
-    assert judge.identity.startswith("shapes-") and judge.directions == {"fidelity": 1, "artifact": -1}
+    assert judge.identity.startswith("shapes-") and judge.directions == {"fidelity": 1, "artifact": -1, "shape": 1, "color": 1, "size": 1, "motion": 1, "background": 1}
 
 
 def test_the_shipped_lexicon_is_the_worlds():

@@ -114,8 +114,16 @@ def describe(engine, res) -> Outcome:
         out.reason = "the dense policy reuses nothing"
     elif "fallback" in notes:
         out.reason = "generated densely: " + str(notes.get("reason") or f"the {s.policy} policy cannot run on this model")
-    elif "change" in notes:   # a risk tier's miss: the policy names the nearest request and its kind of change
+    elif "change" in notes:   # a risk tier's miss: the nearest request, what it asks differently, and why no tier serves
         out.reason = s.reason
+        near = notes.get("nearest") or {}
+        meta = engine.store.get(near["id"]) if near.get("id") else None
+        if meta is not None and ": " in s.reason:
+            out.tested_id, out.source_prompt, out.source_seed = meta.id, meta.prompt, meta.seed
+            what = _source_text(Outcome("", "", 0, 0, 0, source_id=meta.id, source_prompt=meta.prompt, source_seed=meta.seed))
+            out.reason = (f"the nearest cached request, {what}, differs in {near.get('what') or 'what it asks'}: "
+                          f"{s.reason.split(': ', 1)[1]}")
+            out.headline = out.reason   # why no tier serves it is the point: the page and the CLI show it whole
     elif "candidates" in notes:
         k = int(notes["candidates"])
         tested = notes.get("tested") or []
@@ -124,8 +132,8 @@ def describe(engine, res) -> Outcome:
                 _nearest_by_sentence(engine, res, tau, out)
             else:                            # some ask the same but cannot be sources: the policy says why
                 out.reason = s.reason
-        elif k == 0:
-            out.reason = "nothing cached with the same nouns (or one noun substituted) and settings"
+        elif k == 0:   # the policy says which: nothing cached at all, or nothing its filter lets through
+            out.reason = s.reason or "nothing cached with the same settings"
         elif not tested:
             out.reason = f"{k} cached candidate{'s' if k > 1 else ''} with matching nouns; {s.reason}"
         else:

@@ -503,6 +503,7 @@ class CarnatorPolicy(Policy):
         kind = self.change(inputs, c)
         what = "" if inputs.content is None else content_change(inputs.content, c.meta.extra.get("content"))
         notes["change"] = kind
+        notes["nearest"] = {"id": c.meta.id, "what": what}
         tier = self.tiers.get(kind)
         off = None if tier is None else self._disabled(kind)
         if tier is not None and off is not None:

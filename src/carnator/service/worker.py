@@ -123,7 +123,8 @@ def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> s
     found nothing asking the same: when one of the tenant's ``recent`` jobs asked the same prompt with other settings,
     that job and the settings (a cached request is reused only with the same ones); else what
     :func:`carnator.explain.describe` says (the nearest cached request of the tenant and what it asks differently, as
-    ``carnator generate`` and the demo say)."""
+    ``carnator generate`` and the demo say). A risk tier's miss: the nearest request, what differs and why no tier
+    serves it (none certified for that kind, or disabled by the live audit)."""
     from ..explain import describe
 
     s = res.stats
@@ -131,7 +132,7 @@ def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> s
         stored = "" if params.get("store", True) else " or stored (store: false)"
         return f"the cache was off for this request (cache: off): nothing was read from it{stored}"
     notes = s.notes or {}
-    if s.hit or notes.get("recall") != "content" or notes.get("recalled") != 0:
+    if s.hit:
         return None
     req, mine = res.request, " ".join(res.request.prompt.lower().split())
     for job in recent:
@@ -144,6 +145,9 @@ def miss_reason(engine, res, params: dict[str, Any], recent: Sequence[Job]) -> s
             now = ", ".join(f"{getattr(req, k)} {word}" for k, word in changed)
             return (f"{s.reason}; your job {job.id} asked the same prompt with {theirs} (this one: {now}), and a cached "
                     "request is reused only with the same steps, frames, size and guidance")
+    # a risk tier's miss (the nearest request and why no tier serves it), or nothing cached asks the same
+    if "change" not in notes and (notes.get("recall") != "content" or notes.get("recalled") != 0):
+        return None
     try:
         out = describe(engine, res)
     except Exception:  # noqa: BLE001 - an explanation must never fail the job it explains
