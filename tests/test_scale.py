@@ -267,3 +267,13 @@ def test_killing_the_ingress_ends_the_ray_processes_it_started(server):
     while alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive(), [(p.pid, p.name(), " ".join(p.cmdline())[:120]) for p in alive()]
+
+
+def test_replicas_share_the_cards_they_outnumber():
+    from carnator.service.scale import gpu_share
+
+    assert gpu_share(1, 1) == 1.0 and gpu_share(2, 2) == 1.0 and gpu_share(2, 4) == 1.0
+    assert gpu_share(2, 1) == 0.5 and gpu_share(4, 1) == 0.25 and gpu_share(4, 2) == 0.5
+    assert gpu_share(3, 1) == 0.3333 and 3 * gpu_share(3, 1) <= 1 and 7 * gpu_share(7, 3) <= 3
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        gpu_share(2, 0)

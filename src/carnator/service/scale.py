@@ -4,7 +4,8 @@
   cancel, events, metrics: everything of :mod:`carnator.service`) and runs one worker slot per replica. A slot hands
   its job to the Ray Serve deployment through a streaming :class:`~ray.serve.handle.DeploymentHandle` call and relays
   the replica's progress and decision events.
-* :class:`EngineReplica` (one per GPU, ``num_gpus=1``; CPU replicas in tests) builds its engine from the serialisable
+* :class:`EngineReplica` (one per GPU, ``num_gpus=1``, or an equal share of the cards when there are more replicas
+  than cards, :func:`gpu_share`; CPU replicas in tests) builds its engine from the serialisable
   :class:`~carnator.engine.EngineSpec` (model, device, store URL, engine and policy config) every other entry point
   uses. With a ``postgresql://`` store all replicas share one cache.
 * :class:`AffinityRouter` (Ray Serve's ``RequestRouter`` API) sends a request to the replica that produced its recall
@@ -74,6 +75,17 @@ class ScaleConfig:
     min_similarity: float = 0.5
     busy_at: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def gpu_share(replicas: int, cards: int) -> float:
+    """The GPU each replica asks Ray for: a whole card when there are at least as many cards as replicas, else an
+    equal share of them (4 replicas on 1 card: 0.25 each), rounded down so that the shares never add up to more cards
+    than there are. The embedded model leaves a card mostly idle with one replica; several share it."""
+    if cards < 1:
+        raise ValueError("--device cuda with --replicas needs a CUDA device; none is visible")
+    if replicas <= cards:
+        return 1.0
+    return int(cards / replicas * 1e4) / 1e4
 
 
 # -- routing --------------------------------------------------------------------------------------
