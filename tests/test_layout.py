@@ -7,6 +7,7 @@ what the contract names. Imports under ``if TYPE_CHECKING:`` are annotations, no
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import grimp
@@ -115,6 +116,21 @@ def test_the_harness_check_sees_a_harness(tmp_path):
     (tmp_path / "sub" / "db.py").write_text("from _pytest.tmpdir import TempPathFactory\nCMD = 'pg_ctl -D data start'\n")
     assert _harness_traces(tmp_path) == ["fixtures.py imports pytest", "fixtures.py names 'initdb'",
                                          "sub/db.py imports _pytest.tmpdir", "sub/db.py names 'pg_ctl'"]
+
+
+# The project's work items (an issue number, a lever, a numbered work session) belong to the lab notebook
+# (lab/notebook/HISTORY.md); the library's text says what a thing is and what measured it.
+WORK_ITEMS = re.compile(r"\bissue #?\d|\blevers?\b|\bsession[ -]?\d", re.IGNORECASE)
+
+
+def test_the_library_names_no_work_items():
+    src = Path(carnator.__file__).resolve().parent
+    found = [f"{path.relative_to(src)}:{i}: {line.strip()[:80]}"
+             for path in sorted(p for p in src.rglob("*") if p.suffix in {".py", ".json", ".html", ".md", ".txt"})
+             for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if WORK_ITEMS.search(line)]
+    assert found == []
+    assert [bool(WORK_ITEMS.search(t)) for t in ("lever 2 (issue 26)", "the session-12 rule", "an AttentionSession",
+                                                 "a session advisory lock", "leverage")] == [True, True, False, False, False]
 
 
 def test_the_embedded_models_judge_is_the_librarys_and_the_lab_reads_clips_with_it(graph):
