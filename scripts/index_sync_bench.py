@@ -25,6 +25,7 @@ import tempfile
 import time
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     pg = None
     if args.store is None:
-        from carnator.cache.pglocal import LocalPostgres
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test harnesses, tests/harness/
+        from harness.postgres import LocalPostgres
 
         pg = LocalPostgres().start()
     rows = []

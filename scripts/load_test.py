@@ -32,7 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from carnator.service.process import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test harnesses, tests/harness/
+from harness.server import ServerProcess  # noqa: E402
 
 TENANTS = {"load-key-alpha": "alpha", "load-key-bravo": "bravo"}
 COLOURS = ["red", "blue", "green", "yellow"]

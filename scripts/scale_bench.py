@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="carnator-scale-"))
     pg = None
     if args.store is None:
-        from carnator.cache.pglocal import LocalPostgres
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test harnesses, tests/harness/
+        from harness.postgres import LocalPostgres
 
         pg = LocalPostgres().start()
     rows = []

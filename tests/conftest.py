@@ -1,7 +1,7 @@
 """Shared fixtures: a real PostgreSQL for the shared cache store's tests.
 
 ``$CARNATOR_TEST_POSTGRES_URL`` (``.ci/run`` starts a cluster and sets it) or, when unset, a throwaway cluster this
-session starts itself (initdb in a temp dir, 127.0.0.1, a free port). Under ``CI=true`` a missing PostgreSQL fails the
+test run starts itself (``harness.postgres``: initdb in a temp dir, 127.0.0.1, a free port). Under ``CI=true`` a missing PostgreSQL fails the
 tests that need it; elsewhere they are skipped with the reason.
 """
 
@@ -21,14 +21,13 @@ def postgres_url():
     if url:
         yield url
         return
-    from carnator.cache.pglocal import LocalPostgres
-    from carnator.errors import CacheError
+    from harness.postgres import LocalPostgres, PostgresUnavailable
 
     try:
         import psycopg  # noqa: F401
 
         pg = LocalPostgres().start()
-    except (ImportError, CacheError) as exc:
+    except (ImportError, PostgresUnavailable) as exc:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"PostgreSQL is required in CI: {exc}")
         pytest.skip(f"no PostgreSQL here ({exc}); set {POSTGRES_ENV} or install postgresql")
@@ -49,12 +48,11 @@ def pg_schema_url(postgres_url):
 def private_postgres():
     """A PostgreSQL cluster of this test's own, which it may stop and start again (``pause()``, ``resume()``: an
     outage or a restart)."""
-    from carnator.cache.pglocal import LocalPostgres
-    from carnator.errors import CacheError
+    from harness.postgres import LocalPostgres, PostgresUnavailable
 
     try:
         pg = LocalPostgres().start()
-    except CacheError as exc:
+    except PostgresUnavailable as exc:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"PostgreSQL is required in CI: {exc}")
         pytest.skip(f"no PostgreSQL here ({exc})")

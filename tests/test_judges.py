@@ -136,7 +136,7 @@ def test_the_shapes_judge_ships_with_the_library_under_the_identity_its_calibrat
     judge = get_judge("shapes")
     assert type(judge) is ShapesJudge and "shapes" in available_judges()
     assert READER.is_file() and READER.parent.parent.name == "embedded"
-    recorded = json.loads((REPO / "lab/notebook/bench-embedded/levers-tier45-h100-calibration.json").read_text())
+    recorded = json.loads((REPO / "lab/notebook/bench-embedded/shipped-tier45-h100-calibration.json").read_text())
     assert judge.identity == recorded["judge"] == "shapes-17fbf9e8578d"
     assert judge.directions == {"fidelity": 1, "artifact": -1, "shape": 1, "color": 1, "size": 1, "motion": 1, "background": 1}
     with pytest.raises(ValueError, match="takes no argument"):

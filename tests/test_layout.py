@@ -6,8 +6,14 @@ what the contract names. Imports under ``if TYPE_CHECKING:`` are annotations, no
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
+
 import grimp
 import pytest
+
+import carnator
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +77,60 @@ def _cycles(graph) -> list[list[str]]:
 
 def test_the_library_never_imports_the_lab(graph):
     assert not graph.chain_exists(importer="carnator", imported="carnator_lab", as_packages=True)
+
+
+# What only a test or a benchmark does: drive a test framework, or set up a database cluster of its own.
+TEST_FRAMEWORKS = {"pytest", "_pytest", "schemathesis", "hypothesis", "playwright"}
+CLUSTER_PROGRAMS = ("initdb", "pg_ctl")
+
+
+def _harness_traces(src: Path) -> list[str]:
+    """Where a package under ``src`` imports a test framework or names a cluster program."""
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            found += [f"{path.relative_to(src)} imports {n}" for n in names if n.split(".")[0] in TEST_FRAMEWORKS]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found += [f"{path.relative_to(src)} names {p!r}" for p in CLUSTER_PROGRAMS if p in node.value]
+    return found
+
+
+def test_the_library_holds_no_test_harness():
+    """The harnesses the tests and benchmarks share (a throwaway PostgreSQL cluster, ``carnator serve`` in a child
+    process) live in ``tests/harness/``, not in the installed package: no module of ``carnator`` imports a test
+    framework or starts a PostgreSQL cluster (the library connects to one it is given the URL of)."""
+    assert _harness_traces(Path(carnator.__file__).resolve().parent) == []
+    harness = Path(__file__).resolve().parent / "harness"
+    assert {"postgres.py", "server.py"} <= {p.name for p in harness.glob("*.py")}
+    assert _harness_traces(harness)  # what the check looks for is there
+
+
+def test_the_harness_check_sees_a_harness(tmp_path):
+    (tmp_path / "fixtures.py").write_text("import pytest\nimport subprocess\nsubprocess.run(['initdb', '-D', 'x'])\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "db.py").write_text("from _pytest.tmpdir import TempPathFactory\nCMD = 'pg_ctl -D data start'\n")
+    assert _harness_traces(tmp_path) == ["fixtures.py imports pytest", "fixtures.py names 'initdb'",
+                                         "sub/db.py imports _pytest.tmpdir", "sub/db.py names 'pg_ctl'"]
+
+
+# The project's work items (an issue number, a lever, a numbered work session) belong to the lab notebook
+# (lab/notebook/HISTORY.md); the library's text says what a thing is and what measured it.
+WORK_ITEMS = re.compile(r"\bissue #?\d|\blevers?\b|\bsession[ -]?\d", re.IGNORECASE)
+
+
+def test_the_library_names_no_work_items():
+    src = Path(carnator.__file__).resolve().parent
+    found = [f"{path.relative_to(src)}:{i}: {line.strip()[:80]}"
+             for path in sorted(p for p in src.rglob("*") if p.suffix in {".py", ".json", ".html", ".md", ".txt"})
+             for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if WORK_ITEMS.search(line)]
+    assert found == []
+    assert [bool(WORK_ITEMS.search(t)) for t in ("lever 2 (issue 26)", "the session-12 rule", "an AttentionSession",
+                                                 "a session advisory lock", "leverage")] == [True, True, False, False, False]
 
 
 def test_the_embedded_models_judge_is_the_librarys_and_the_lab_reads_clips_with_it(graph):

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from carnator.client import Client
-from carnator.service.process import ServerProcess
+
+from harness.server import ServerProcess
 
 pytest.importorskip("ray.serve", reason="carnator[scale] (ray[serve]) is not installed")
 

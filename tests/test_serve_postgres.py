@@ -12,7 +12,8 @@ import httpx
 
 from carnator.client import Client
 from carnator.service.pgjobs import PostgresJobStore
-from carnator.service.process import ServerProcess
+
+from harness.server import ServerProcess
 
 PROMPT = "a small red ball moving left on grass"
 

@@ -24,8 +24,9 @@ import pytest
 from carnator.cache import CacheBank
 from carnator.cli import main
 from carnator.client import Client, ServerError
-from carnator.service.process import ServerProcess
 from carnator.video import read_video
+
+from harness.server import ServerProcess
 
 KEYS = {"key-alpha-0001": "alpha", "key-bravo-0001": "bravo", "key-charlie-01": "charlie"}
 A, B, C = (f"Bearer {k}" for k in KEYS)

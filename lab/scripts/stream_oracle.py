@@ -1,6 +1,6 @@
 """Issue 26: the most hits a rule that reuses only a request asking the same could score on the held-out stream.
 
-For each test request of ``world_trace(W, S, seed=0)`` (the stream ``levers_stream.py`` runs): does any earlier request
+For each test request of ``world_trace(W, S, seed=0)`` (the stream ``held_out_stream.py`` runs): does any earlier request
 (a warm one, or an earlier test request) ask the same (the same content key under the embedded model's content
 reader)? Those are the only requests such a rule can hit; the admission gate and reuses' own entries (never sources)
 can only lower the count. Prints the count per kind of request; needs no GPU and generates nothing.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-#: (prompt, seed): a session of related requests, as a newcomer would send them: a first generation, a re-roll (another
+#: (prompt, seed): a stream of related requests, as a newcomer would send them: a first generation, a re-roll (another
 #: seed), rewordings (a framing prefix, style and quality words, synonyms), then one change at a time (motion, object,
 #: colour, size, place), an exact repeat, an unrelated prompt and its rewording. With the shipped file (and the embedded
 #: model's admission gate, its shapes judge) re-rolls and rewordings reuse a request that asks the same, every change of what is asked is

@@ -63,8 +63,8 @@ class RegionConfig:
 
     The paper gives none of these values (PAPER step 3: "eps, gamma, the thresholds and the layer
     index are not given"). The fusion and threshold defaults are the best setting of the knob grid of
-    ``scripts/measure_probe.py`` at the probe layer (docs/METHOD.md: the same setting won on run-7c and
-    run-8b weights); the seed-count bounds are chosen defaults (the probe layer index belongs to the
+    ``lab/scripts/measure_probe.py`` at the probe layer (docs/METHOD.md: the same setting won on the shipped
+    embedded weights and on their predecessor); the seed-count bounds are chosen defaults (the probe layer index belongs to the
     attention recorder, not to this module).
     """
 

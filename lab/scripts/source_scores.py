@@ -10,7 +10,7 @@ to the rows offline.
 re-roll hit for seed b under ``CarnatorConfig.own_sample`` in {0, 0.5, 1} at resume step 30, and 1 at resume steps 20 and 10: mean |pixel difference| (0-255) of the hit
 to the source and to dense b, of dense b to the source, and the judge's scores.
 
-    python3 lab/scripts/levers_sources.py --pairs PAIRS.jsonl --out DIR [--jobs 12] [--own-n 48] [--device cuda]
+    python3 lab/scripts/source_scores.py --pairs PAIRS.jsonl --out DIR [--jobs 12] [--own-n 48] [--device cuda]
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--own-n", type=int, default=48)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--root", default="/tmp/levers-sources")
+    ap.add_argument("--root", default="/tmp/source-scores")
     ap.add_argument("--same-content", action="store_true", help="only the sources of pairs whose prompts ask the same")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

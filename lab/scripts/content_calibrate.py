@@ -1,7 +1,7 @@
 """Issue 26: decision rules on the 2,933 H200 calibration pairs, certified per kind of change (stratified).
 
 Reads the calibration rows, the pair list they were drawn from (source seeds) and the judge's scores of every source's
-own clip (``levers_sources.py`` part A), and for each rule prints and writes the per-category table: pairs, accepted,
+own clip (``source_scores.py`` part A), and for each rule prints and writes the per-category table: pairs, accepted,
 unsafe, the one-sided 90 % Clopper-Pearson bound of the unsafe rate, certified at delta 5 %. Rules:
 
 - ``shipped``: the shipped certified file (linear risk score; session 12);
@@ -15,7 +15,7 @@ the content and gate rules have no fitted parameter (content distance 0 and the 
 rule's Delta), so the selection split is unused by them; the table is the certification split's. ``--write FILE``
 writes the ``content+gate`` rule as a thresholds file (with its per-category table and the gate it needs).
 
-    python3 lab/scripts/levers_calibrate.py [--rows ROWS.jsonl.gz] --pairs PAIRS.jsonl --sources sources.jsonl[.gz] [--write FILE]
+    python3 lab/scripts/content_calibrate.py [--rows ROWS.jsonl.gz] --pairs PAIRS.jsonl --sources sources.jsonl[.gz] [--write FILE]
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main() -> None:
             "certification_split": {"pairs": len(cert), "selection_fraction": 0.3, "split_seed": 0},
             "source_scores": str(args.sources.relative_to(ROOT)) if args.sources.is_relative_to(ROOT) else str(args.sources),
             "per_category": table,
-            "generated_by": "lab/scripts/levers_calibrate.py --write (issue 26)",
+            "generated_by": "lab/scripts/content_calibrate.py --write",
         }
         content_only.save(args.write, model_id=doc["model_id"], meta=meta, reading=doc.get("reading"))
         print(f"\nwrote {args.write} (certified: {meta['certified']})")

@@ -1,4 +1,4 @@
-"""Run ``carnator serve`` in a child process and learn its URL (tests, ``scripts/load_test.py``)."""
+"""Run ``carnator serve`` in a child process and learn its URL (the service's tests, ``scripts/load_test.py``)."""
 
 from __future__ import annotations
 

@@ -2,12 +2,12 @@
 # Issue 26's device calls, each one call of the device tool (run from the repository root, `.cache/dev` carried:
 # diffusers.zip, the MiniLM package under py/, pairs3000.jsonl = the stream_pairs(3000, MiniLM, warm=1000) list).
 #
-#   bash lab/scripts/levers_device.sh OUT sources          # levers_sources.py: A (same-content sources judged), B (own sample, 8 prompts)
-#   [VARIANTS=...] [SOURCES=0] [SEQUENTIAL=1] [FILL_NIRVANA=1] [KEEP_WARM=1] [WARM=1000 TEST=300] bash lab/scripts/levers_device.sh OUT stream SECONDS   # levers_stream.py W = 1,000 / S = 300: dense and
-#        VARIANTS (default shipped,gate,fast), with levers_sources.py (A and B) beside it unless SOURCES=0
-#   bash lab/scripts/levers_device.sh OUT content          # the pairs recall by content adds (levers_content_pairs.py draw,
-#        .cache/dev/content-pairs.jsonl): `carnator calibrate` rows, and their sources judged (levers_sources.py A)
-#   [STEPS="40 45"] bash lab/scripts/levers_device.sh OUT tiers   # lever 2: same-content pairs (.cache/dev/tier-pairs.jsonl)
+#   bash lab/scripts/device_stream.sh OUT sources          # source_scores.py: A (same-content sources judged), B (own sample, 8 prompts)
+#   [VARIANTS=...] [SOURCES=0] [SEQUENTIAL=1] [FILL_NIRVANA=1] [KEEP_WARM=1] [WARM=1000 TEST=300] bash lab/scripts/device_stream.sh OUT stream SECONDS   # held_out_stream.py W = 1,000 / S = 300: dense and
+#        VARIANTS (default shipped,gate,fast), with source_scores.py (A and B) beside it unless SOURCES=0
+#   bash lab/scripts/device_stream.sh OUT content          # the pairs recall by content adds (content_pairs.py draw,
+#        .cache/dev/content-pairs.jsonl): `carnator calibrate` rows, and their sources judged (source_scores.py A)
+#   [STEPS="40 45"] bash lab/scripts/device_stream.sh OUT tiers   # lever 2: same-content pairs (.cache/dev/tier-pairs.jsonl)
 #        calibrated at later resume steps
 set -u
 out=$1; mode=$2; budget=${3:-480}
@@ -22,15 +22,15 @@ keep() {  # whole lines of a calibrate run's pairs.jsonl (a cut leaves a partial
   cp "$1"/*.json "$out/$2/" 2>/dev/null
 }
 case $mode in
-  sources) python3 lab/scripts/levers_sources.py --pairs .cache/dev/pairs3000.jsonl --out "$out/sources" --jobs 14 \
+  sources) python3 lab/scripts/source_scores.py --pairs .cache/dev/pairs3000.jsonl --out "$out/sources" --jobs 14 \
              --own-n 8 --same-content 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
-  stream) python3 lab/scripts/levers_stream.py --out "$out/stream" --warm ${WARM:-1000} --test ${TEST:-300} --jobs 14 \
+  stream) python3 lab/scripts/held_out_stream.py --out "$out/stream" --warm ${WARM:-1000} --test ${TEST:-300} --jobs 14 \
              --variants "${VARIANTS:-shipped,gate,fast}" --budget "$budget" $([ "${SEQUENTIAL:-0}" = 1 ] && echo --sequential) \
              $([ "${KEEP_WARM:-0}" = 1 ] && echo --keep-warm) $([ "${FILL_NIRVANA:-0}" = 1 ] && echo --fill-nirvana) \
              $([ "${SOURCES:-1}" = 1 ] && echo --sources .cache/dev/pairs3000.jsonl --sources-jobs 4 --own-n 8) 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" ;;
   content)
     n=$(wc -l < .cache/dev/content-pairs.jsonl)
-    python3 lab/scripts/levers_sources.py --pairs .cache/dev/content-pairs.jsonl --out "$out/content-sources" --jobs 4 --own-n 0 \
+    python3 lab/scripts/source_scores.py --pairs .cache/dev/content-pairs.jsonl --out "$out/content-sources" --jobs 4 --own-n 0 \
       --root /tmp/content-sources 2>&1 | grep --line-buffered -v -E "Warning|Loading weights|warn\(|text encoder reads" &
     timeout -k 10 "$budget" python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate \
       --pairs-file .cache/dev/content-pairs.jsonl --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 \
@@ -39,7 +39,7 @@ case $mode in
     wait
     keep /tmp/content-cal content-cal ;;
   tiers)
-    # lever 2: the same-content pairs the shipped rule accepts (.cache/dev/tier-pairs.jsonl, levers_content_pairs.py tiers) reused
+    # lever 2: the same-content pairs the shipped rule accepts (.cache/dev/tier-pairs.jsonl, content_pairs.py tiers) reused
     # from later resume steps, one calibrate run per step side by side
     n=$(wc -l < .cache/dev/tier-pairs.jsonl)
     for r in ${STEPS:-40 45}; do

@@ -1,11 +1,12 @@
-"""A throwaway PostgreSQL cluster on 127.0.0.1 (tests, benchmarks, trying ``--store postgresql://`` out).
+"""A throwaway PostgreSQL cluster on 127.0.0.1 (the tests, the scale benchmarks, trying ``--store postgresql://`` out).
 
     with LocalPostgres() as pg:
         store = SharedStore(pg.url, blobs="/tmp/blobs")
 
 ``initdb`` in a fresh temporary directory, ``postgres`` on a free port of 127.0.0.1 (trust authentication: local,
 loopback only), stopped and removed on exit. As root the cluster runs as the ``postgres`` user (PostgreSQL refuses
-root). The binaries come from ``$PG_BIN``, ``PATH`` or Debian's ``/usr/lib/postgresql/<version>/bin``.
+root). The binaries come from ``$PG_BIN``, ``PATH`` or Debian's ``/usr/lib/postgresql/<version>/bin``. A test harness,
+not part of the library: the library only connects to a PostgreSQL it is given a URL of.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ..errors import CacheError
+
+class PostgresUnavailable(RuntimeError):
+    """PostgreSQL's programs are missing, or the cluster did not start."""
 
 
 def pg_bindir() -> Path | None:
@@ -41,8 +44,8 @@ def _free_port() -> int:
 
 
 class LocalPostgres:
-    """One PostgreSQL cluster in a temporary directory; ``url`` once started. ``CacheError`` when the binaries are
-    missing or the cluster does not start."""
+    """One PostgreSQL cluster in a temporary directory; ``url`` once started. :class:`PostgresUnavailable` when the
+    binaries are missing or the cluster does not start."""
 
     def __init__(self) -> None:
         self.url = ""
@@ -52,7 +55,7 @@ class LocalPostgres:
 
     def _run(self, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
         if self._bindir is None:
-            raise CacheError("PostgreSQL's programs (initdb, pg_ctl) were not found: install postgresql or set PG_BIN")
+            raise PostgresUnavailable("PostgreSQL's programs (initdb, pg_ctl) were not found: install postgresql or set PG_BIN")
         full = [str(self._bindir / cmd[0]), *cmd[1:]]
         if self._user:
             full = ["runuser", "-u", self._user, "--", *full]
@@ -60,7 +63,7 @@ class LocalPostgres:
 
     def start(self) -> LocalPostgres:
         if self._bindir is None:
-            raise CacheError("PostgreSQL is not installed (no initdb; Debian: apt-get install postgresql)")
+            raise PostgresUnavailable("PostgreSQL is not installed (no initdb; Debian: apt-get install postgresql)")
         self._dir = tempfile.mkdtemp(prefix="carnator-pg-")
         data = os.path.join(self._dir, "data")
         if os.geteuid() == 0:
@@ -68,19 +71,19 @@ class LocalPostgres:
             try:
                 pw = pwd.getpwnam(self._user)
             except KeyError:
-                raise CacheError("running as root, but there is no postgres user to run PostgreSQL as") from None
+                raise PostgresUnavailable("running as root, but there is no postgres user to run PostgreSQL as") from None
             os.chown(self._dir, pw.pw_uid, pw.pw_gid)
         port = _free_port()
         r = self._run("initdb", "-D", data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
         if r.returncode != 0:
             self.stop()
-            raise CacheError(f"initdb failed: {r.stderr.strip()[-500:]}")
+            raise PostgresUnavailable(f"initdb failed: {r.stderr.strip()[-500:]}")
         opts = f"-p {port} -k {self._dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
         r = self._run("pg_ctl", "-D", data, "-o", opts, "-w", "-t", "60", "-l", os.path.join(self._dir, "log"), "start")
         if r.returncode != 0:
             log = Path(self._dir, "log").read_text(errors="replace")[-800:] if Path(self._dir, "log").exists() else ""
             self.stop()
-            raise CacheError(f"PostgreSQL did not start: {r.stderr.strip()[-300:]} {log}")
+            raise PostgresUnavailable(f"PostgreSQL did not start: {r.stderr.strip()[-300:]} {log}")
         self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
         return self
 
@@ -105,7 +108,7 @@ class LocalPostgres:
         r = self._run("pg_ctl", "-D", os.path.join(self._dir, "data"), "-o", opts, "-w", "-l",
                       os.path.join(self._dir, "log"), "start")
         if r.returncode != 0:
-            raise CacheError(f"PostgreSQL did not restart: {r.stderr.strip()[-300:]}")
+            raise PostgresUnavailable(f"PostgreSQL did not restart: {r.stderr.strip()[-300:]}")
 
     def __enter__(self) -> LocalPostgres:
         return self.start()

@@ -5,7 +5,7 @@ warm=1000)``: ``world_trace(1000, 18050, seed=0, split="train")``, the same pref
 deployed policy now tests and the old draw did not: each stream request's first tested candidate as the carnator
 policy orders them (the sentence top-10 and, by content, the newest 10 warm requests asking the same; same-content
 candidates first, then recall order; the noun filter) where it is a same-content warm request other than the old
-draw's source. Writes them as a pairs file for ``carnator calibrate --pairs-file`` and ``levers_sources.py``.
+draw's source. Writes them as a pairs file for ``carnator calibrate --pairs-file`` and ``source_scores.py``.
 
 ``certify``: the per-kind table of the content + gate rule on the earlier rows' certification split and every new row
 (the rule has no fitted parameter, so no new row is needed for selection), and ``--write`` a thresholds file.
@@ -15,10 +15,10 @@ from both lists above, at most ``--per-kind`` of each kind of change (seeded), f
 lever 2 certifies a later resume step for exactly the hits the rule makes. ``tier-certify``: their per-kind table from
 the ``calibrate --resume-step`` rows, and ``--write`` the step into a thresholds file's ``meta.resume``.
 
-    python3 lab/scripts/levers_content_pairs.py draw --out PAIRS.jsonl
-    python3 lab/scripts/levers_content_pairs.py tiers --out TIER-PAIRS.jsonl [--per-kind 80]
-    python3 lab/scripts/levers_content_pairs.py tier-certify --rows ROWS.jsonl.gz --step 45 [--write THRESHOLDS.json]
-    python3 lab/scripts/levers_content_pairs.py certify --new-rows R.jsonl.gz --new-pairs P.jsonl --new-sources S.jsonl.gz \
+    python3 lab/scripts/content_pairs.py draw --out PAIRS.jsonl
+    python3 lab/scripts/content_pairs.py tiers --out TIER-PAIRS.jsonl [--per-kind 80]
+    python3 lab/scripts/content_pairs.py tier-certify --rows ROWS.jsonl.gz --step 45 [--write THRESHOLDS.json]
+    python3 lab/scripts/content_pairs.py certify --new-rows R.jsonl.gz --new-pairs P.jsonl --new-sources S.jsonl.gz \
         --pairs .cache/dev/pairs3000.jsonl [--write src/carnator/embedded/thresholds.json]
 """
 
@@ -86,7 +86,7 @@ def tiers(args) -> None:
     import sys
 
     sys.path.insert(0, str(ROOT / "lab/scripts"))
-    from levers_calibrate import GATE
+    from content_calibrate import GATE
 
     from carnator.signature.content import LexiconContent, change_kind, content_distance
 
@@ -128,7 +128,7 @@ def certify(args) -> None:
     import sys
 
     sys.path.insert(0, str(ROOT / "lab/scripts"))
-    from levers_calibrate import GATE, ORDER
+    from content_calibrate import GATE, ORDER
 
     from carnator.calibrate.run import calibration_pair
     from carnator.judges import QualityRule
@@ -184,9 +184,9 @@ def certify(args) -> None:
         meta["certified"] = bool(all(t["certified"] is not False for t in table.values()) and table["all"]["certified"])
         meta["per_category"] = table
         meta["content_pairs"] = {"rows": str(args.new_rows), "pairs": str(args.new_pairs), "sources": str(args.new_sources),
-                                 "count": len(new), "drawn_by": "lab/scripts/levers_content_pairs.py draw"}
+                                 "count": len(new), "drawn_by": "lab/scripts/content_pairs.py draw"}
         meta["certification_split"] = {**meta["certification_split"], "pairs": len(old) + len(new)}
-        meta["generated_by"] = "lab/scripts/levers_calibrate.py --write, per_category from levers_content_pairs.py certify"
+        meta["generated_by"] = "lab/scripts/content_calibrate.py --write, per_category from content_pairs.py certify"
         tau.save(args.write, model_id=doc["model_id"], meta=meta, reading=doc.get("reading"))
         print(f"\nwrote {args.write} (certified: {meta['certified']})")
 
@@ -220,8 +220,8 @@ def tier_certify(args) -> None:
         steps = sorted({*old.get("certified_steps", [old["step"]]), *([args.step] if ok else [])})
         meta["resume"] = {"step": args.step if ok else old["step"], "of": old["of"], "certified_steps": steps,
                           f"at_{args.step}": {"per_category": table, "rows": _rel(args.rows), "pairs": _rel(args.pairs),
-                                              "drawn_by": "lab/scripts/levers_content_pairs.py tiers",
-                                              "certified_by": "lab/scripts/levers_content_pairs.py tier-certify"}}
+                                              "drawn_by": "lab/scripts/content_pairs.py tiers",
+                                              "certified_by": "lab/scripts/content_pairs.py tier-certify"}}
         Thresholds.from_dict(doc["thresholds"]).save(args.write, model_id=doc["model_id"], meta=meta, reading=doc.get("reading"))
         print(f"wrote {args.write}: resume {meta['resume']['step']} of {meta['resume']['of']}, certified at {steps}")
 
@@ -234,7 +234,7 @@ def main() -> None:
     c = sub.add_parser("certify")
     c.add_argument("--rows", type=Path, default=ROOT / "lab/notebook/bench-embedded/calibration-h200-w1000-modifiers1-2933-pairs.jsonl.gz")
     c.add_argument("--pairs", type=Path, default=ROOT / ".cache/dev/pairs3000.jsonl")
-    c.add_argument("--sources", type=Path, default=ROOT / "lab/notebook/bench-embedded/levers-h100-sources.jsonl.gz")
+    c.add_argument("--sources", type=Path, default=ROOT / "lab/notebook/bench-embedded/shipped-h100-sources.jsonl.gz")
     c.add_argument("--new-rows", type=Path, required=True)
     c.add_argument("--new-pairs", type=Path, required=True)
     c.add_argument("--new-sources", type=Path, required=True)
@@ -245,13 +245,13 @@ def main() -> None:
     t.add_argument("--per-kind", type=int, default=80)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--pairs", type=Path, default=ROOT / ".cache/dev/pairs3000.jsonl")
-    t.add_argument("--sources", type=Path, default=ROOT / "lab/notebook/bench-embedded/levers-h100-sources.jsonl.gz")
-    t.add_argument("--new-pairs", type=Path, default=ROOT / "lab/notebook/bench-embedded/levers-content-pairs.jsonl.gz")
+    t.add_argument("--sources", type=Path, default=ROOT / "lab/notebook/bench-embedded/shipped-h100-sources.jsonl.gz")
+    t.add_argument("--new-pairs", type=Path, default=ROOT / "lab/notebook/bench-embedded/shipped-content-pairs.jsonl.gz")
     t.add_argument("--new-sources", type=Path,
-                   default=ROOT / "lab/notebook/bench-embedded/levers-content-pairs-h100-sources.jsonl.gz")
+                   default=ROOT / "lab/notebook/bench-embedded/shipped-content-pairs-h100-sources.jsonl.gz")
     c2 = sub.add_parser("tier-certify")
     c2.add_argument("--rows", type=Path, required=True)
-    c2.add_argument("--pairs", type=Path, default=ROOT / "lab/notebook/bench-embedded/levers-tier-pairs.jsonl.gz")
+    c2.add_argument("--pairs", type=Path, default=ROOT / "lab/notebook/bench-embedded/shipped-tier-pairs.jsonl.gz")
     c2.add_argument("--step", type=int, required=True)
     c2.add_argument("--write", type=Path)
     args = ap.parse_args()

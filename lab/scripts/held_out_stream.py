@@ -5,7 +5,7 @@ The warm cache is filled once (W requests generated as misses by the carnator po
 the resume step on; the admission judge scores every clip) by ``--jobs`` processes; each variant then streams the S
 test requests, in order, in one process of its own, over its own copy of that cache (blobs hard-linked, the index
 copied), so every variant starts from the same W completed requests. Dense streams the same requests without a cache.
-Optionally (``--sources``) part A of ``levers_sources.py`` (the judge's scores of the calibration sources' own clips)
+Optionally (``--sources``) part A of ``source_scores.py`` (the judge's scores of the calibration sources' own clips)
 runs beside the warm fill. Rows go to ``OUT/requests.jsonl`` as they finish; ``OUT/summary.json`` at the end.
 
 Variants (``--variants``, comma-separated):
@@ -25,7 +25,7 @@ Variants (``--variants``, comma-separated):
   content45 the default before risk tiers (lab/notebook/thresholds-embedded-content45.json: same content only, step 45)
   nirvana   the NIRVANA baseline (its entries are filled into the same warm cache beside carnator's)
 
-    python3 lab/scripts/levers_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
+    python3 lab/scripts/held_out_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
 """
 
 from __future__ import annotations
@@ -194,10 +194,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--variants", default="content,gate,fast")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--root", type=Path, default=Path("/tmp/levers-stream"))
-    ap.add_argument("--sources", type=Path, help="run levers_sources.py part A on this pair list beside the warm fill")
+    ap.add_argument("--root", type=Path, default=Path("/tmp/held-out-stream"))
+    ap.add_argument("--sources", type=Path, help="run source_scores.py part A on this pair list beside the warm fill")
     ap.add_argument("--sources-jobs", type=int, default=4)
-    ap.add_argument("--own-n", type=int, default=0, help="levers_sources.py part B's prompts, beside the warm fill")
+    ap.add_argument("--own-n", type=int, default=0, help="source_scores.py part B's prompts, beside the warm fill")
     ap.add_argument("--summarize-only", action="store_true")
     ap.add_argument("--budget", type=float, default=math.inf, help="seconds from the start after which streams stop")
     ap.add_argument("--sequential", action="store_true",
@@ -230,7 +230,7 @@ def main() -> None:
         t0 = time.time()
         side = None
         if args.sources is not None:
-            side = subprocess.Popen([sys.executable, str(HERE / "levers_sources.py"), "--pairs", str(args.sources), "--out",
+            side = subprocess.Popen([sys.executable, str(HERE / "source_scores.py"), "--pairs", str(args.sources), "--out",
                                      str(args.out), "--jobs", str(args.sources_jobs), "--own-n", str(args.own_n), "--device", args.device,
                                      "--root", str(args.root / "sources"), "--same-content"])
         probe = engine(args.root / "probe", args.device)
@@ -264,7 +264,7 @@ def main() -> None:
             try:
                 side.wait(timeout=max(1.0, t0 + args.budget + 20 - time.time()))
             except subprocess.TimeoutExpired:   # its rows so far are in OUT/sources.jsonl
-                print("levers_sources.py cut at the budget", flush=True)
+                print("source_scores.py cut at the budget", flush=True)
                 side.kill()
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     summary = summarize(rows, names, rule)
