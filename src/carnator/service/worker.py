@@ -4,7 +4,10 @@
 submission order), so one tenant's burst does not starve another. :class:`WorkerPool` runs each job through
 ``Carnator.generate`` with ``cancel`` (a per-job flag: ``DELETE /v1/videos/{id}``, or the server draining for
 shutdown), ``progress`` and ``events`` (published to the job's event streams; progress written to the store at most
-twice a second), then encodes the videos and finishes the job in the store. Nothing here speaks HTTP or SQL.
+twice a second). The job's fixed cost after its denoising (encoding the videos, waiting for the cache entry stored
+behind it, the miss's explanation, the job table's write) runs on the device's finishing thread while the device
+already runs the next job; a job waits for its finishing at most one job behind, so a slow disk slows the queue
+instead of holding videos in memory. Nothing here speaks HTTP or SQL.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -206,6 +210,9 @@ class WorkerPool:
         self._running: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        #: per device, its finishing thread's hand-off: at most one finished job waits (None ends the thread)
+        self._finishing: dict[int, queue.Queue] = {}
+        self._finishers: list[threading.Thread] = []
         self.job_seconds_ema: float | None = None
         self.drained: list[str] = []
         self._down_since: float | None = None  # when the job table stopped answering the workers' polls
@@ -217,6 +224,11 @@ class WorkerPool:
     # ---- control -----------------------------------------------------------------------------
     def start(self) -> None:
         for dev in self.devices:
+            q: queue.Queue = queue.Queue(maxsize=1)
+            self._finishing[id(dev)] = q
+            f = threading.Thread(target=self._finish_loop, args=(dev, q), name=f"carnator-finish-{dev.name}", daemon=True)
+            f.start()
+            self._finishers.append(f)
             t = threading.Thread(target=self._loop, args=(dev,), name=f"carnator-worker-{dev.name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -237,13 +249,19 @@ class WorkerPool:
         self.notify()
 
     def stop(self, timeout: float = 30.0) -> bool:
-        """Shutdown, second half: wait for the workers; whether they all ended."""
+        """Shutdown, second half: wait for the workers, then for the jobs they finished to be recorded; whether they
+        all ended."""
         self.drain()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        for q in self._finishing.values():
+            with contextlib.suppress(queue.Full):
+                q.put(None, timeout=max(0.0, deadline - time.monotonic()))
+        for f in self._finishers:
+            f.join(max(0.0, deadline - time.monotonic()))
         self._stopped.set()
-        return not any(t.is_alive() for t in self._threads)
+        return not any(t.is_alive() for t in (*self._threads, *self._finishers))
 
     @property
     def draining(self) -> bool:
@@ -283,16 +301,35 @@ class WorkerPool:
                 continue
             with self._lock:
                 self._running[job.id] = job
+            handed = False
             try:
-                self._run(dev, job)
+                handed = self._run(dev, job)
             except Exception:  # never lose the worker: the job fails with a reason, the details go to the log
-                log.exception("job %s failed unexpectedly", job.id)
-                self._finish(job, FAILED, error={"type": "server_error", "message": "internal error while running the job; "
-                                                                                    "the server's log has the details"})
+                self._failed_unexpectedly(job)
             finally:
-                with self._lock:
-                    self._running.pop(job.id, None)
-                self._cancel.discard(job.id)
+                if not handed:
+                    self._done_with(job)
+
+    def _finish_loop(self, dev: Device, q: queue.Queue) -> None:
+        """The device's finishing thread: :meth:`_complete` each job its worker hands over, in order."""
+        while (item := q.get()) is not None:
+            job, res, wall = item
+            try:
+                self._complete(dev, job, res, wall)
+            except Exception:  # never lose the finisher
+                self._failed_unexpectedly(job)
+            finally:
+                self._done_with(job)
+
+    def _failed_unexpectedly(self, job: Job) -> None:
+        log.exception("job %s failed unexpectedly", job.id)
+        self._finish(job, FAILED, error={"type": "server_error", "message": "internal error while running the job; "
+                                                                            "the server's log has the details"})
+
+    def _done_with(self, job: Job) -> None:
+        with self._lock:
+            self._running.pop(job.id, None)
+        self._cancel.discard(job.id)
 
     def _poll_failed(self, dev: Device, exc: BaseException) -> None:
         """Said once per outage (the workers poll twice a second), not at every poll."""
@@ -331,7 +368,9 @@ class WorkerPool:
         except Exception:  # never lose the worker
             log.exception("a shadow audit failed unexpectedly")
 
-    def _run(self, dev: Device, job: Job) -> None:
+    def _run(self, dev: Device, job: Job) -> bool:
+        """The job's device part; True when its finishing was handed to the device's finishing thread (which then ends
+        the job), False when it ended here (stopped, failed)."""
         eng, p = dev.engine, job.params
         started = time.time()
         self.metrics.queue_wait.observe(max(0.0, (job.started_at or started) - job.created_at))
@@ -364,21 +403,31 @@ class WorkerPool:
                 self._retry(dev, job, str(data.get("reason") or "its engine failed"))
 
         if cancel():
-            return self._stopped_job(job)
+            self._stopped_job(job)
+            return False
         t0 = time.perf_counter()
         try:
             params = Params.from_dict({"cache": "reuse", **p}, tenant=job.tenant)
             res = eng.run(params, progress=progress, cancel=cancel, events=events)
         except Cancelled:
-            return self._stopped_job(job)
+            self._stopped_job(job)
+            return False
         except InvalidRequestError as e:
-            return self._finish(job, FAILED, error={"type": "invalid_request", "message": str(e)})
+            self._finish(job, FAILED, error={"type": "invalid_request", "message": str(e)})
+            return False
         except CarnatorError as e:
-            return self._finish(job, FAILED, error={"type": "generation_error", "message": str(e)})
+            self._finish(job, FAILED, error={"type": "generation_error", "message": str(e)})
+            return False
         wall = time.perf_counter() - t0
-        st = res.stats
-        if st.exact_hit:
-            self.hub.publish(job.id, "decision", {"reuse": True, "exact": True, "reason": st.reason})
+        if res.stats.exact_hit:
+            self.hub.publish(job.id, "decision", {"reuse": True, "exact": True, "reason": res.stats.reason})
+        self._finishing[id(dev)].put((job, res, wall))
+        return True
+
+    def _complete(self, dev: Device, job: Job, res: Any, wall: float) -> None:
+        """A denoised job's fixed cost, on the device's finishing thread: its videos, its cache entry's id, its
+        reason, and the job table's record."""
+        eng, p, st = dev.engine, job.params, res.stats
         videos = {}
         try:
             for variant in ("mp4", "gif"):
