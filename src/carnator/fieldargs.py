@@ -118,8 +118,7 @@ def _with_default(help: str | Callable[[], str], shown: bool) -> str | Callable[
 def _argument(name: str, hint: Any, default: Any, meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     base, optional = _base(hint)
     kw: dict[str, Any] = {"dest": name, "default": default}
-    if meta.get("metavar"):
-        kw["metavar"] = meta["metavar"]
+    flag = meta.get("flag") or name.replace("_", "-")
     choices = meta.get("choices")
     if choices is None and typing.get_origin(base) is typing.Literal:
         choices = typing.get_args(base)
@@ -144,9 +143,14 @@ def _argument(name: str, hint: Any, default: Any, meta: dict[str, Any]) -> tuple
         kw["type"] = base
     if choices is not None:
         kw["choices"] = tuple(choices)
+    takes_value = kw.get("action") in (None, "append")
+    if takes_value and meta.get("metavar"):
+        kw["metavar"] = meta["metavar"]
+    elif takes_value and meta.get("flag") and choices is None:  # a renamed option's value is named after its flag
+        kw["metavar"] = flag.upper().replace("-", "_")
     shown = kw.get("action") not in ("store_true", argparse.BooleanOptionalAction) and kw["default"] not in (None, [], "")
     kw["help"] = _with_default(meta["help"], shown)
-    return "--" + (meta.get("flag") or name.replace("_", "-")), kw
+    return "--" + flag, kw
 
 
 def add_fields(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config: type, names: Iterable[str] | None = None,
