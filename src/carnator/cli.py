@@ -90,13 +90,17 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
     add_fields(p, EngineSpec, ["blobs"])
 
 
+def _blobs_need_store(args) -> None:
+    if getattr(args, "blobs", None) and not getattr(args, "store", None):
+        raise CarnatorError("--blobs goes with --store postgresql://...")
+
+
 def _store_url(args) -> str | None:
     """The store the command uses: --store, else --cache-dir (a user error when both are given)."""
     store = getattr(args, "store", None)
     if store and getattr(args, "cache_dir", None):
         raise CarnatorError("give --store or --cache-dir, not both")
-    if getattr(args, "blobs", None) and not store:
-        raise CarnatorError("--blobs goes with --store postgresql://...")
+    _blobs_need_store(args)
     return store or getattr(args, "cache_dir", None)
 
 
@@ -929,8 +933,7 @@ def cmd_serve(args) -> int:
         from .service.server import serve
     except ImportError as e:  # fastapi, uvicorn, ... (the serve extra)
         raise CarnatorError(f"carnator serve needs the serve extra: pip install 'carnator[serve]' ({e.name} is missing)") from None
-    if args.blobs and not args.store:
-        raise CarnatorError("--blobs goes with --store postgresql://...")
+    _blobs_need_store(args)
     if args.ray_address and not args.replicas:
         raise CarnatorError("--ray-address goes with --replicas N")
     if args.router != "affinity" and not args.replicas:
