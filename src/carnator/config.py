@@ -98,7 +98,7 @@ class EngineConfig:
 
     capture_steps: str | list[int] = "auto"
     latent_dtype: str = field(default="float16", metadata=opt(
-        "dtype of the latents stored with every entry (float32 doubles the cache for exact latents)", choices=LATENT_DTYPES))
+        "dtype of the latents stored with every entry; float32 doubles the cache for exact latents", choices=LATENT_DTYPES))
     store_video: bool = True
     capacity_bytes: int | None = field(default=None, metadata=opt(
         "bound the cache to SIZE (e.g. 40MB, 2GiB, 500000 bytes) before generating: stored in the cache, so later runs "
