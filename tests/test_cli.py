@@ -433,6 +433,30 @@ def test_generate_help_shows_defaults_and_choices(capsys):
     assert code == 0 and "-y, --yes" in out and "asks first" in " ".join(out.split())
 
 
+def test_serve_help_is_the_config_fields(capsys, monkeypatch):
+    """``serve``'s options are made from the fields of ServeConfig (and two of EngineConfig): a field's help is its
+    option's, with the field's default; a field with no help is no option."""
+    import dataclasses
+
+    from carnator.service.config import ServeConfig
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no words broken at a hyphen
+    code, out, _ = run(capsys, "serve", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    help_of = {f.name: f.metadata.get("help") for f in dataclasses.fields(ServeConfig)}
+    assert "times a job is started before a server stopping mid-job fails it" == help_of["max_attempts"]
+    for text in ("--max-attempts N times a job is started before a server stopping mid-job fails it (default: 2)",
+                 "--retention DURATION finished jobs (completed, failed, cancelled)", "0 keeps them forever (default: 7d)",
+                 "--port PORT port (default: 8000; 0: any free port, printed)", "--router {affinity,pow2} with --replicas",
+                 "--tenant-quota SIZE cache bytes one tenant may keep", "--option POLICY.FIELD=VALUE set one field of a policy's config",
+                 "--allow-uncertified let approximate reuse rest on thresholds no certified file backs"):
+        assert text in flat, text
+    for name, text in help_of.items():
+        flag = "--" + {"retention_s": "retention"}.get(name, name.replace("_", "-"))
+        assert (flag in out) == (text is not None), name  # fps, engine_config, audit_seed, ... are not options
+
+
 def test_help_imports_no_torch():
     """``carnator --help``, the help of commands without --intra-cache, and usage errors import no torch (start-up:
     1.7 s before, 0.06 s after on the CI CPU; ``generate --help`` lists the intra-request caches' options, from a module

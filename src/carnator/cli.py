@@ -1,6 +1,9 @@
 """``carnator`` command line: generate, cache, and (with later stages) demo, calibrate, bench.
 
-User mistakes print one line ``carnator: error: ...`` and exit with status 2; never a traceback.
+User mistakes print one line ``carnator: error: ...`` and exit with status 2; never a traceback. The options that
+are settings of the engine or the service are made from the fields of their config dataclasses
+(:class:`~carnator.config.EngineConfig`, :class:`~carnator.config.EngineSpec`,
+:class:`~carnator.service.config.ServeConfig`; :mod:`carnator.fieldargs`): flag, type, default and help live there.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from .config import EngineConfig, EngineSpec, parse_size
 from .errors import CarnatorError
+from .fieldargs import add_fields, field_values, float_in, int_in
+from .service.config import ServeConfig
 
 if TYPE_CHECKING:
     from .request import Params
@@ -60,20 +66,6 @@ def _later(text: Callable[[], str]) -> str:
     return cast(str, text)
 
 
-def _int_in(lo: int, hi: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {value}")
-        return value
-
-    parse.__name__ = "integer"
-    return parse
-
-
 def _embedded_default(key: str) -> str:
     """The embedded model's default ``key`` (frames, size, num_inference_steps, guidance_scale), from its manifest."""
     from importlib.resources import files
@@ -82,29 +74,25 @@ def _embedded_default(key: str) -> str:
 
 
 def _add_gen_args(p: argparse.ArgumentParser, cache_help: str | None = None) -> None:
-    p.add_argument("--model", default="embedded", help='"embedded" (default: the shapes-world model shipped inside carnator) or a local diffusers pipeline directory')
+    add_fields(p, EngineSpec, ["model"])
     p.add_argument("--cache-dir", default=None, help=cache_help or "cache directory (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    add_fields(p, EngineSpec, ["device"])
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="load a pipeline directory's weights in this dtype (modules the model keeps in float32 stay so; "
                         "default: float32, as diffusers loads without one; bfloat16 is how Wan and LTX run on a GPU)")
-    p.add_argument("--capacity", default=None, metavar="SIZE",
-                   help="bound the cache to SIZE (e.g. 40MB, 2GiB, 500000 bytes) before generating: stored in the cache, "
-                        "so later runs keep it (see `carnator cache config`)")
-    p.add_argument("--option", action="append", default=[], metavar="POLICY.FIELD=VALUE",
-                   help="set one field of a policy's config, e.g. carnator.modifiers=1 or carnator.region='{\"high\": 0.4}' "
-                        "(VALUE is JSON, else a string; repeatable; fields: docs/METHOD.md)")
+    add_fields(p, EngineConfig, ["capacity_bytes", "policy_options"])
 
 
-def _add_store_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
-    where = "the --cache-dir directory" if serve else "--cache-dir"
+def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, metavar="URL",
-                   help=f"the cache store: sqlite:///PATH (a local directory; default: {where}) or postgresql://USER@HOST/DB"
-                        "[?schema=NAME] (a store shared by many processes and hosts; needs --blobs"
-                        f"{'; the job table goes there too, one server per schema' if serve else ''})")
-    p.add_argument("--blobs", default=None, metavar="PATH_OR_URL",
-                   help="where a postgresql:// store keeps its tensors and videos: a shared directory (NFS) or an fsspec URL "
-                        "(s3://bucket/prefix with s3fs installed)")
+                   help="the cache store: sqlite:///PATH (a local directory; default: --cache-dir) or postgresql://USER@HOST/DB"
+                        "[?schema=NAME] (a store shared by many processes and hosts; needs --blobs)")
+    add_fields(p, EngineSpec, ["blobs"])
+
+
+def _blobs_need_store(args) -> None:
+    if getattr(args, "blobs", None) and not getattr(args, "store", None):
+        raise CarnatorError("--blobs goes with --store postgresql://...")
 
 
 def _store_url(args) -> str | None:
@@ -112,34 +100,12 @@ def _store_url(args) -> str | None:
     store = getattr(args, "store", None)
     if store and getattr(args, "cache_dir", None):
         raise CarnatorError("give --store or --cache-dir, not both")
-    if getattr(args, "blobs", None) and not store:
-        raise CarnatorError("--blobs goes with --store postgresql://...")
+    _blobs_need_store(args)
     return store or getattr(args, "cache_dir", None)
 
 
 def _where(store) -> str:
     return str(getattr(store, "root", None) or store)
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-               "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_size(text: str, flag: str = "--capacity") -> int | None:
-    """A size like ``40MB`` (decimal), ``2GiB`` (binary), ``500000`` (bytes) or ``none`` (None: unbounded) in bytes;
-    CarnatorError naming ``flag`` otherwise."""
-    import re
-
-    t = str(text).strip().lower()
-    if t in ("none", "unbounded"):
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", t)
-    if m is None or m.group(2) not in _SIZE_UNITS:
-        raise CarnatorError(f"{flag}: expected a size like 40MB, 2GiB, 500000 or none, got {text!r}")
-    n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-    if n <= 0:
-        raise CarnatorError(f"{flag}: a cache capacity must be more than 0 bytes, got {text!r}")
-    return n
 
 
 def _size_words(n: int | None) -> str:
@@ -240,22 +206,8 @@ def _policy_options(items: list[str]) -> dict[str, dict]:
     return out
 
 
-def _add_intra_cache_arg(p: argparse.ArgumentParser) -> None:
-    def describe_kinds() -> str:
-        from .backbones.intra_cache import describe_kinds
-
-        return describe_kinds()
-
-    p.add_argument(
-        "--intra-cache", default=None, metavar="KIND[:OPT=VAL,...]",
-        help=_later(lambda: "also run one of diffusers' per-request caches on the transformer, under every policy (dense: the cache alone). "
-                     f"Kinds (options, defaults): {describe_kinds()}. Ranges are LO..HI; mag ratios R0/R1/... or @file.json. "
-                     "See docs/METHOD.md."),
-    )
-
-
 def _engine(args):
-    from .engine import Carnator, EngineConfig
+    from .engine import Carnator
 
     if not args.verbose:  # loading bars from diffusers/transformers would bury carnator's own output
         import diffusers
@@ -263,18 +215,13 @@ def _engine(args):
 
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
-    intra = getattr(args, "intra_cache", None)
-    if intra is not None:
+    values = field_values(EngineConfig, args)  # the command's engine options, parsed and checked by its parser
+    if values.get("intra_cache") is not None:
         from .backbones.intra_cache import IntraCacheSpec
 
-        IntraCacheSpec.parse(intra)  # a bad kind or option fails before the model loads
-    capacity = None
-    if getattr(args, "capacity", None) is not None:
-        capacity = parse_size(args.capacity)
-        if capacity is None:
-            raise CarnatorError("--capacity none: generating only sets a bound; lift it with `carnator cache config --capacity none`")
-    config = EngineConfig(intra_cache=intra, capacity_bytes=capacity, latent_dtype=getattr(args, "latent_dtype", None) or EngineConfig.latent_dtype,
-                          cuda_graphs=getattr(args, "cuda_graphs", None), policy_options=_policy_options(getattr(args, "option", [])))
+        IntraCacheSpec.parse(values["intra_cache"])  # a bad kind or option fails before the model loads
+    values["policy_options"] = _policy_options(values.get("policy_options") or [])
+    config = EngineConfig(**values)
     dtype = getattr(args, "dtype", None)
     torch_dtype = None
     if dtype is not None and args.model != "embedded":
@@ -611,7 +558,10 @@ def _bank(args):
 def cmd_cache(args) -> int:
     if args.action != "config" and (args.capacity is not None or args.eviction is not None):
         raise CarnatorError("--capacity and --eviction go with `carnator cache config`")
-    capacity = parse_size(args.capacity) if args.capacity is not None else None
+    try:
+        capacity = parse_size(args.capacity) if args.capacity is not None else None
+    except ValueError as err:
+        raise CarnatorError(f"--capacity: {err}") from None
     with _bank(args) as bank:
         if args.action == "ls":
             rows = bank.entries(tenant=args.tenant)
@@ -772,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_later(lambda: f"classifier-free guidance scale, in [0, 100] (default: the model's; embedded: {_embedded_default('guidance_scale')})"))
     g.add_argument("--tenant", default="default", help="cache namespace: entries are reused within their tenant only (default: %(default)s)")
     g.add_argument("--out", default="out.mp4", help="output video, .mp4 (H.264) or .gif (default: ./%(default)s)")
-    g.add_argument("--fps", type=_int_in(1, 240), default=8, help="frames per second of the output, 1-240 (.gif: 1-50) (default: %(default)s)")
+    g.add_argument("--fps", type=int_in(1, 240), default=8, help="frames per second of the output, 1-240 (.gif: 1-50) (default: %(default)s)")
     g.add_argument("--no-store", action="store_true", help="do not add the result to the cache")
     g.add_argument("--cache", choices=("reuse", "exact", "off"), default=None,
                    help="what the request may read from the cache: reuse (exact hits and approximate reuse), exact (exact "
@@ -788,7 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=os.environ.get("CARNATOR_API_KEY"), metavar="KEY",
                    help="--server's API key (default: $CARNATOR_API_KEY)")
     _add_store_args(g)
-    _add_intra_cache_arg(g)
+    add_fields(g, EngineConfig, ["intra_cache"])
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="a short stream of related requests through the carnator policy, with a page that tells it",
@@ -852,9 +802,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="carnator-calibration", help="output folder (pairs.jsonl, thresholds.json, calibration.json)")
     k.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="generate the pairs in N worker processes (set OMP_NUM_THREADS so that N x threads fits the cores)")
-    k.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size; "
-                        "default: on a CUDA device)")
+    add_fields(k, EngineConfig, ["cuda_graphs"])
     k.add_argument("--select-only", action="store_true",
                    help="generate no pairs: select and certify from every pair already in --out (e.g. under another --rule, "
                         "--delta or quality rule)")
@@ -887,13 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the policies in N processes at once (each loads the model; on a GPU the small embedded model "
                         "leaves room for several). Hits and quality equal a one-process run's; the speed columns are then "
                         "measured while the policies share the machine, so take speed from a --jobs 1 run")
-    b.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay the embedded model's idle forwards as CUDA graphs (launch-bound on a GPU at this size; "
-                        "default: on a CUDA device)")
-    b.add_argument("--latent-dtype", choices=["float32", "float16"], default=None,
-                   help="dtype of the latents stored with every entry (default float16; float32 doubles the cache for exact latents)")
+    add_fields(b, EngineConfig, ["cuda_graphs", "latent_dtype", "intra_cache"])
     b.set_defaults(worker=False, shard={})  # set by _worker only
-    _add_intra_cache_arg(b)
     b.set_defaults(func=cmd_bench)
 
 
@@ -914,52 +857,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve text-to-video jobs over HTTP (OpenAI-style /v1/videos) with the cross-request "
                                    "cache, a web page at / and Prometheus metrics at /metrics; prints the URL. Needs the "
                                    "serve extra: pip install 'carnator[serve]'.")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; without --keys: loopback only)")
-    s.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default: %(default)s; 0: any free port, printed)")
-    s.add_argument("--model", default="embedded", help='"embedded" (default) or a local diffusers pipeline directory')
-    s.add_argument("--cache-dir", default=None, help="cache directory, also holding the job table (jobs.sqlite; with a "
-                                                     "postgresql:// --store, in that database) and the finished videos (default: $CARNATOR_CACHE_DIR, else ~/.cache/carnator)")
-    s.add_argument("--keys", default=None, metavar="keys.json", help='API keys: {"key": "tenant", ...}; each tenant has its '
-                                                                    "own cache and jobs (default: no auth, one tenant 'default')")
-    s.add_argument("--max-queue", type=_int_in(1, 1_000_000), default=64, help="jobs waiting at most; past it 429 (default: %(default)s)")
-    s.add_argument("--max-queue-per-tenant", type=_int_in(1, 1_000_000), default=None, metavar="N",
-                   help="jobs one tenant may have waiting (default: --max-queue, or half of it with --keys)")
-    s.add_argument("--device", default="cpu", help="cpu (default), cuda (one worker per visible GPU) or cuda:N")
-    s.add_argument("--option", action="append", default=[], metavar="POLICY.FIELD=VALUE",
-                   help="a policy config field, as for generate (repeatable), e.g. carnator.thresholds=PATH: thresholds "
-                        "certified by `carnator calibrate` for this model (docs/CALIBRATION.md)")
-    s.add_argument("--allow-uncertified", action="store_true",
-                   help="let approximate reuse rest on thresholds no certified file backs (default: such a reuse is a miss)")
-    s.add_argument("--max-steps", type=_int_in(1, 1000), default=None, metavar="N",
-                   help="most denoising steps a job may ask for (default: the model's limit)")
-    s.add_argument("--max-attempts", type=_int_in(1, 100), default=2, metavar="N",
-                   help="times a job is started before a server stopping mid-job fails it (default: %(default)s)")
-    s.add_argument("--retention", default="7d", metavar="DURATION",
-                   help="finished jobs (completed, failed, cancelled) and their videos are deleted this long after they "
-                        "end, e.g. 7d, 12h, 30m, 3600 (seconds); 0 keeps them forever (default: %(default)s)")
-    s.add_argument("--tenant-quota", default=None, metavar="SIZE",
-                   help="cache bytes one tenant may keep, e.g. 2GiB: an admission past it evicts that tenant's oldest "
-                        "entries first, never another tenant's (stored in the cache for every server and replica that "
-                        "opens it; default: no quota, only the cache's capacity)")
-    _add_store_args(s, serve=True)
-    s.add_argument("--replicas", type=_int_in(1, 1024), default=None, metavar="N",
-                   help="run N engine replicas on Ray Serve behind this server (one GPU each with --device cuda, else one "
-                        "CPU each); use a postgresql:// --store so they share one cache. Needs: pip install 'carnator[scale]'")
-    s.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="with --replicas: the Ray cluster to join (auto: the one `ray start` runs here; default: start a "
-                        "local one)")
-    s.add_argument("--router", choices=("affinity", "pow2"), default="affinity",
-                   help="with --replicas: affinity (default: related prompts go to the replica that produced their recall "
-                        "neighbours unless it is busy) or pow2 (Ray Serve's default power-of-two choices, for comparison)")
-    s.add_argument("--audit", type=_fraction, default=0.1, metavar="RATE",
-                   help="share of approximate hits re-run densely on idle device time and judged with the thresholds "
-                        "file's judge and rule, for a live bound per kind of change and tier (docs/SERVING.md); a tier "
-                        "whose audits show it unsafe is disabled. 0: off (default: %(default)s)")
-    s.add_argument("--audit-budget", type=_fraction, default=0.1, metavar="SHARE",
-                   help="most share of device time the audits take (default: %(default)s)")
-    s.add_argument("--audit-judge", default=None, metavar="NAME[=ARG]",
-                   help="the judge the thresholds file was certified by, when it needs an argument (e.g. clip=DIR); "
-                        "default: the one the file names")
+    add_fields(s, ServeConfig)
+    add_fields(s, EngineConfig, ["policy_options", "tenant_quota_bytes"])
     s.set_defaults(func=cmd_serve)
 
     a = sub.add_parser("audit", help="the live audit of a service's reuse: verdicts and bounds per kind and tier",
@@ -972,22 +871,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--thresholds", default=None, metavar="PATH",
                    help="only the verdicts of this thresholds file, with its delta and confidence (default: every file "
                         "the verdicts were recorded under, each at delta 0.05 / confidence 0.9 unless given)")
-    a.add_argument("--delta", type=_fraction, default=None, help="delta (default: the thresholds file's, else 0.05)")
-    a.add_argument("--confidence", type=_fraction, default=None, help="confidence (default: the file's, else 0.9)")
+    a.add_argument("--delta", type=float_in(0, 1), default=None, help="delta (default: the thresholds file's, else 0.05)")
+    a.add_argument("--confidence", type=float_in(0, 1), default=None, help="confidence (default: the file's, else 0.9)")
     a.add_argument("--verdicts", action="store_true", help="also list every verdict (job, kind, tier, scores)")
     a.add_argument("--json", action="store_true", help="one JSON object")
     a.set_defaults(func=cmd_audit)
     return ap
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return v
 
 
 def cmd_audit(args) -> int:
@@ -1041,14 +930,20 @@ def cmd_audit(args) -> int:
 
 def cmd_serve(args) -> int:
     try:
-        from .service.server import main_args
+        from .service.server import serve
     except ImportError as e:  # fastapi, uvicorn, ... (the serve extra)
         raise CarnatorError(f"carnator serve needs the serve extra: pip install 'carnator[serve]' ({e.name} is missing)") from None
-    options = getattr(args, "option", None) or []
-    engine_config: dict = {"policy_options": _policy_options(options)} if options else {}
-    if args.tenant_quota is not None:
-        engine_config["tenant_quota_bytes"] = parse_size(args.tenant_quota, "--tenant-quota")
-    return main_args(args, engine_config=engine_config)
+    _blobs_need_store(args)
+    if args.ray_address and not args.replicas:
+        raise CarnatorError("--ray-address goes with --replicas N")
+    if args.router != "affinity" and not args.replicas:
+        raise CarnatorError("--router goes with --replicas N")
+    engine_config: dict[str, Any] = {}  # the engine options serve takes (its engines' other settings are ServeConfig's)
+    if args.policy_options:
+        engine_config["policy_options"] = _policy_options(args.policy_options)
+    if args.tenant_quota_bytes is not None:
+        engine_config["tenant_quota_bytes"] = args.tenant_quota_bytes
+    return serve(ServeConfig(**field_values(ServeConfig, args), engine_config=engine_config), verbose=args.verbose)
 
 
 def main(argv: list[str] | None = None) -> int:

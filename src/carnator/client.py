@@ -199,7 +199,7 @@ def _error(r) -> ServerError:
 def generate_command(args, out: Path) -> int:
     """``carnator generate --server URL``: the job runs on the server; prints the CLI's one line."""
     local = [("--model", args.model != "embedded"), ("--cache-dir", args.cache_dir), ("--device", args.device),
-             ("--capacity", args.capacity), ("--option", args.option), ("--intra-cache", args.intra_cache),
+             ("--capacity", args.capacity_bytes), ("--option", args.policy_options), ("--intra-cache", args.intra_cache),
              ("--no-store", args.no_store), ("--tenant", args.tenant != "default")]
     given = [flag for flag, v in local if v]
     if given:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from .backbones.base import BackboneAdapter
 from .backbones.registry import adapter_for
 from .cache.keys import content_key
 from .cache.protocol import CacheStore
+from .config import EngineConfig, EngineSpec
 from .errors import CarnatorError, GenerationError, InvalidRequestError, ModelLoadError
 from .plan import Decision, DecisionInputs
 from .policies import ModelInfo, Policy, get_policy_class, policy_names
@@ -48,75 +48,6 @@ log = logging.getLogger("carnator")
 __all__ = ["CACHE_MODES", "Carnator", "EngineConfig", "EngineSpec"]
 
 
-@dataclass
-class EngineConfig:
-    """Engine-wide settings.
-
-    capture_steps: which post-scheduler latents are stored with every entry ("auto": those the policy
-        that generated it can resume from, ``Policy.stored_steps``; "all", "none", or a
-        list of step indices). Reuse needs the latents at the steps policies resume from.
-    latent_dtype: dtype of stored latents (default float16: half the bytes of float32, and on the embedded model a
-        re-roll hit's frames differ from float32 storage's by at most 1/255 at a few pixels, lab/scripts/entry_dtype.py;
-        "float32" keeps them exact).
-    store_video: keep the decoded video with the entry, so an identical request is an exact hit.
-    capacity_bytes, eviction, tenant_quota_bytes: when set, stored as the cache's own capacity (bytes), eviction
-        policy ("lru", "lcbfu") and per-tenant quota (bytes: past it a tenant's admission evicts its own oldest
-        entries) with ``CacheBank.configure`` when the engine opens it; None (default) keeps what the cache has.
-    policy_options: per policy name, its config fields (``{"carnator": {"modifiers": 1}}``).
-    intra_cache: one of diffusers' per-request caches applied to the transformer under every policy
-        (None = off): a kind name, "KIND:opt=value,...", or {"kind": KIND, opt: value}; kinds first_block,
-        pab, faster, taylorseer, mag (see :mod:`carnator.backbones.intra_cache` and docs/METHOD.md). Its hooks keep state on
-        the transformer, so an engine with one runs its requests one at a time.
-    cuda_graphs: replay the transformer's forward as a CUDA graph at every step where no policy records or
-        applies anything in it (the embedded model on a CUDA device; with no intra-request cache). For small,
-        launch-bound models; the results are the eager forward's. None (the default): on where the model runs on a
-        CUDA device, its family supports it and no intra-request cache runs (:func:`cuda_graphs_for`); off on the CPU.
-        True asks for it (refused for a family without it); False turns it off.
-    admission_judge: the quality judge (a :func:`~carnator.judges.get_judge` spec; "auto", the default: ``shapes``, the
-        embedded model's own judge, on the embedded model, else none)
-        that scores every stored request's own output, after decode; its scores go into the entry (``quality``) and the
-        entry is ``admitted`` as a reuse source only if they pass ``admission_rule`` (a re-roll is
-        unsafe mostly when its source was itself a failed generation). None: no judge, every entry admitted.
-    admission_rule: per score, the bar its output must pass: a higher-is-better score must be ``>=`` its value, a
-        lower-is-better one ``<=`` (directions from the judge). Default: fidelity >= 0.75, artifact <= 0.1, i.e. the
-        source would itself be an acceptable reuse of a perfect dense clip under the calibration's rule (Delta 0.25 /
-        0.1).
-    write_behind: store the entry (and run the admission judge) in a background thread after the result is returned,
-        off the request's critical path; a request that starts before the write ends does not see the entry yet, and
-        the result's ``stats.entry_id`` is set when the write ends. :meth:`Carnator.flush` waits for the writes.
-        None (the default): on where the model runs on a CUDA device (there the store and the judge cost a miss about
-        60 % of a dense embedded request), off on the CPU (where they cost about 1 %, and a result comes back stored).
-    allow_uncertified: whether approximate reuse may rest on a decision that no certified thresholds file backs (the
-        paper's thresholds on a model they were not calibrated for, or a text-similarity baseline). False (what
-        ``carnator serve`` uses unless ``--allow-uncertified``): such a decision becomes a miss; exact hits are always
-        allowed.
-    """
-
-    capture_steps: str | list[int] = "auto"
-    latent_dtype: str = "float16"
-    store_video: bool = True
-    capacity_bytes: int | None = None
-    eviction: str | None = None
-    tenant_quota_bytes: int | None = None
-    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    intra_cache: str | dict[str, Any] | None = None
-    cuda_graphs: bool | None = None
-    allow_uncertified: bool = True
-    admission_judge: str | None = "auto"
-    admission_rule: dict[str, float] = field(default_factory=lambda: {"fidelity": 0.75, "artifact": 0.1})
-    write_behind: bool | None = None
-
-    def __post_init__(self) -> None:
-        cs = self.capture_steps
-        if isinstance(cs, str):
-            if cs not in ("auto", "all", "none"):
-                raise ValueError(f'EngineConfig.capture_steps must be "auto", "all", "none" or a list of step indices, got {cs!r}')
-        elif not all(isinstance(i, int) and not isinstance(i, bool) for i in cs):
-            raise ValueError(f"EngineConfig.capture_steps: a list of step indices must hold ints, got {list(cs)!r}")
-        if self.latent_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f'EngineConfig.latent_dtype must be "float32", "float16" or "bfloat16", got {self.latent_dtype!r}')
-
-
 def cuda_graphs_for(setting: bool | None, *, device: str | torch.device, supported: bool, intra_cache: bool) -> bool:
     """Whether an engine replays idle forwards as CUDA graphs: ``setting`` (``EngineConfig.cuda_graphs``) when given,
     else (None) the fast configuration where it applies: a CUDA ``device``, a family that ``supported`` them, no
@@ -124,28 +55,6 @@ def cuda_graphs_for(setting: bool | None, *, device: str | torch.device, support
     if setting is not None:
         return bool(setting)
     return torch.device(device).type == "cuda" and supported and not intra_cache
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """Everything that builds an engine, as plain data: the CLI, bench workers, the service and its replicas build
-    identical engines from one spec (:meth:`Carnator.from_spec`). ``model``: "embedded" or a local diffusers
-    directory; ``cache_dir``: the cache store: a directory or ``sqlite:///path`` (None: the default directory) or a
-    ``postgresql://`` URL of a shared store; ``blobs``: where a shared store's blobs live (a path or fsspec URL);
-    ``config``: :class:`EngineConfig` fields."""
-
-    model: str = "embedded"
-    device: str | None = None
-    cache_dir: str | None = None
-    config: dict[str, Any] = field(default_factory=dict)
-    blobs: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineSpec:
-        return cls(**d)
 
 
 class Carnator:

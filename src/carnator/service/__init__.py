@@ -12,6 +12,10 @@ __all__ = ["ServeConfig", "Service", "run"]
 
 
 def __getattr__(name: str):
+    if name == "ServeConfig":  # light: the command line reads it
+        from .config import ServeConfig
+
+        return ServeConfig
     if name in __all__:
         from . import server
 

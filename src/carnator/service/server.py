@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import fcntl
 import ipaddress
-import json
 import logging
 import os
 import signal
@@ -21,12 +20,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CarnatorError
 from ..request import Params
+from .config import DEFAULT_RETENTION_S as DEFAULT_RETENTION_S  # the service's settings, where they were
+from .config import ServeConfig, duration_words
+from .config import parse_duration as parse_duration
 from .events import EventHub
 from .jobs import VIDEO_DIR, JobStore, JobStoreError, SqliteJobStore
 from .metrics import ServiceMetrics
@@ -35,61 +36,6 @@ from .worker import Device, MeteredStore, WorkerPool
 log = logging.getLogger("carnator.service")
 
 LOCK_FILE = "serve.lock"
-#: how long finished jobs and their videos are kept by default (``--retention``; 0: forever)
-DEFAULT_RETENTION_S = 7 * 86400.0
-
-
-@dataclass
-class ServeConfig:
-    """What ``carnator serve`` takes (its options, as data)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = "embedded"
-    cache_dir: str | None = None
-    keys: dict[str, str] | None = None
-    max_queue: int = 64
-    max_queue_per_tenant: int | None = None
-    device: str = "cpu"
-    allow_uncertified: bool = False
-    max_steps: int | None = None
-    max_attempts: int = 2
-    fps: int = 8
-    max_body_bytes: int = 256 * 1024
-    engine_config: dict[str, Any] = field(default_factory=dict)
-    store: str | None = None
-    blobs: str | None = None
-    replicas: int = 0
-    ray_address: str | None = None
-    router: str = "affinity"
-    separate_caches: bool = False
-    affinity_busy_at: int = 1
-    retention_s: float = DEFAULT_RETENTION_S
-    audit: float = 0.1
-    audit_budget: float = 0.1
-    audit_judge: str | None = None
-    audit_seed: int | None = None
-
-
-def load_keys(path: str | os.PathLike[str]) -> dict[str, str]:
-    """``keys.json``: ``{"API key": "tenant", ...}``; CarnatorError naming what is wrong."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CarnatorError(f"--keys {str(path)!r}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CarnatorError(f"--keys {str(path)!r}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    except ValueError as e:
-        raise CarnatorError(f"--keys {str(path)!r} is not JSON: {e}") from None
-    if not isinstance(data, dict) or not data:
-        raise CarnatorError(f'--keys {str(path)!r} must map API keys to tenants, e.g. {{"key-a": "tenant-a"}}')
-    for k, t in data.items():
-        if not k or not isinstance(t, str) or not t.strip() or any(c.isspace() or not c.isprintable() for c in k):
-            raise CarnatorError(f"--keys {str(path)!r}: every key must be printable text without spaces and every "
-                                "tenant a non-empty string")
-        if len(k) < 8:
-            raise CarnatorError(f"--keys {str(path)!r}: API keys must be at least 8 characters")
-    return dict(data)
 
 
 def is_loopback(host: str) -> bool:
@@ -254,23 +200,6 @@ class Service:
         return self.store.healthy()
 
 
-def parse_duration(text: str, flag: str = "--retention") -> float:
-    """A duration like ``7d``, ``12h``, ``30m``, ``45s`` or ``3600`` (seconds) in seconds; 0 is allowed (forever)."""
-    import re
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text).lower())
-    if m is None:
-        raise CarnatorError(f"{flag}: expected a duration like 7d, 12h, 30m, 45s, 3600 (seconds) or 0, got {text!r}")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}[m.group(2)]
-
-
-def duration_words(seconds: float) -> str:
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= n and seconds % n == 0:
-            return f"{int(seconds // n)}{unit}"
-    return f"{seconds:g}s"
-
-
 def open_job_store(store_url: str | None, cache_dir: Path, server_lock: Any = None) -> JobStore:
     """The job table: in the ``postgresql://`` store's database (videos in ``<cache_dir>/videos``; ``server_lock``:
     what :func:`job_table_lock` yielded, checked before every change), else SQLite in the cache directory."""
@@ -393,12 +322,10 @@ class _Server:
         return Server()
 
 
-def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
-    """``carnator serve`` from parsed arguments (:mod:`carnator.cli`); ``engine_config``: EngineConfig fields the CLI
-    checked (``--option``'s policy options)."""
-    keys = load_keys(args.keys) if args.keys else None
-    retention_s = parse_duration(getattr(args, "retention", "7d"))
-    if args.verbose:
+def serve(config: ServeConfig, *, verbose: bool = False) -> int:
+    """``carnator serve`` on a checked ``config`` (the command line's, :mod:`carnator.cli`): the logging a server
+    prints, a shared store reached and Ray found before the model loads (one line if not), then :func:`run`."""
+    if verbose:
         logging.getLogger("carnator").setLevel(logging.DEBUG)
     else:  # loading bars of diffusers/transformers (the model, the recall embedder) would bury the server's lines
         import diffusers
@@ -406,28 +333,15 @@ def main_args(args, engine_config: dict[str, Any] | None = None) -> int:
 
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
-    if args.blobs and not args.store:
-        raise CarnatorError("--blobs goes with --store postgresql://...")
-    if args.ray_address and not args.replicas:
-        raise CarnatorError("--ray-address goes with --replicas N")
-    if args.router != "affinity" and not args.replicas:
-        raise CarnatorError("--router goes with --replicas N")
-    if args.store:
+    if config.store:
         from ..cache import open_store
 
-        open_store(args.store, blobs=args.blobs).close()  # a bad URL or an unreachable store: one line, now
-    if args.replicas:
+        open_store(config.store, blobs=config.blobs).close()  # a bad URL or an unreachable store: one line, now
+    if config.replicas:
         try:
             import ray  # noqa: F401
         except ImportError:
             raise CarnatorError("--replicas needs Ray Serve: pip install 'carnator[scale]'") from None
-    cfg = ServeConfig(host=args.host, port=args.port, model=args.model, cache_dir=args.cache_dir, keys=keys,
-                      max_queue=args.max_queue, max_queue_per_tenant=args.max_queue_per_tenant, device=args.device,
-                      allow_uncertified=args.allow_uncertified, max_steps=args.max_steps, max_attempts=args.max_attempts,
-                      store=args.store, blobs=args.blobs, replicas=args.replicas or 0, ray_address=args.ray_address,
-                      router=args.router, retention_s=retention_s, audit=args.audit, audit_budget=args.audit_budget,
-                      audit_judge=args.audit_judge,
-                      engine_config=dict(engine_config or {}))
-    logging.getLogger("carnator.service").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
+    logging.getLogger("carnator.service").setLevel(logging.INFO if not verbose else logging.DEBUG)
     sys.stdout.flush()
-    return run(cfg)
+    return run(config)
