@@ -92,8 +92,9 @@ class ServeConfig:
         "table goes there too, one server per schema)", metavar="URL"))
     blobs: str | None = field(default=None, metadata=_SPEC["blobs"])
     replicas: int = field(default=0, metadata=opt(
-        "run N engine replicas on Ray Serve behind this server (one GPU each with --device cuda, else one CPU each); "
-        "use a postgresql:// --store so they share one cache. Needs: pip install 'carnator[scale]' (default: none, the "
+        "run N engine replicas on Ray Serve behind this server (with --device cuda one GPU each, or an equal share of "
+        "the cards when N is more, else one CPU each); on one host they share the local cache, across hosts use a "
+        "postgresql:// --store. Needs: pip install 'carnator[scale]' (default: none, the "
         "engines run in this process)", metavar="N", range=(1, 1024)))
     ray_address: str | None = field(default=None, metadata=opt(
         "with --replicas: the Ray cluster to join (auto: the one `ray start` runs here; default: start a local one)",

@@ -87,7 +87,8 @@ class Service:
                 EngineSpec(model=config.model, device="cuda" if gpu else "cpu", cache_dir=store_url, blobs=config.blobs,
                            config=spec_config),
                 ScaleConfig(replicas=config.replicas, ray_address=config.ray_address, router=config.router,
-                            num_gpus=gpu_share(config.replicas, torch.cuda.device_count()) if gpu else 0.0, num_cpus=1.0, separate_caches=config.separate_caches,
+                            num_gpus=gpu_share(config.replicas, torch.cuda.device_count()) if gpu else 0.0,
+                            num_cpus=1.0, separate_caches=config.separate_caches,
                             busy_at=config.affinity_busy_at))
             # the ingress validates requests and embeds prompts for the router with an engine on the CPU that has no
             # transformer weights (the replicas build theirs from the same spec on their own devices)
