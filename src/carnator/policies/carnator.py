@@ -513,7 +513,7 @@ class CarnatorPolicy(Policy):
         if tier is None:
             kinds = ", ".join(sorted(self.tiers))
             return Decision.miss(f"nearest cached request {c.meta.id[:8]} {what or 'differs'}: no certified tier reuses "
-                                 f"a {kind} change on this model (tiers: {kinds})", details=notes, similarity=c.similarity)
+                                 f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} change on this model (tiers: {kinds})", details=notes, similarity=c.similarity)
         n = inputs.num_steps
         r = self.tier_resume(tier, n)
         if r >= n:
