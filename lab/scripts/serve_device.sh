@@ -7,7 +7,7 @@
 #   bash lab/scripts/serve_device.sh measure OUT [N]    # carry .cache/dev (or DEV=a copy of it): the library's dense
 #        throughput (defaults and cuda_graphs) and scripts/load_test.py cache on and off on the card, N requests (default 80)
 #   bash lab/scripts/serve_device.sh replicas OUT [N] [COUNTS]   # DEV as above: load_test.py with --replicas for each of
-#        COUNTS (default "1 2 4") replicas sharing the card, the cache on, N requests each
+#        COUNTS (default "1 2 4") replicas sharing the card, the cache on, N requests each, each run cut at RUN_S (200) s
 # .cache/wp1..3: `pip download -d W --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: "ray[serve]"`
 #   plus .cache/w312's wheels (one opentelemetry-api), Ray's wheel cut with `split -b 38000000` into ray.part.a?
 # .cache/w312: pip download -d .cache/w312 --python-version 3.12 --platform manylinux_2_28_x86_64 --platform
@@ -31,7 +31,7 @@ case $1 in
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; date -u
     if [ "$1" = replicas ]; then
       for r in ${4:-1 2 4}; do
-        timeout 200 python3 scripts/load_test.py --requests "$n" --clients 6 --steps 50 --max-queue 16 --modes reuse \
+        timeout ${RUN_S:-200} python3 scripts/load_test.py --requests "$n" --clients 6 --steps 50 --max-queue 16 --modes reuse \
           --server-args "--device cuda --replicas $r ${SERVER_ARGS:-}" --out "$out/replicas$r.json" 2>&1 \
           | grep -v -E "Warning|warn\(" | tail -12
         pkill -f "ray::" ; sleep 2
