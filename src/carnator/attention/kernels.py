@@ -9,8 +9,7 @@ to the keys of the key blocks ``j`` with ``block_mask[..., i, j]``. Three paths,
 - ``"triton"`` (chosen automatically on CUDA at blocks of a multiple of 128, unless extra keys are
   attended or :func:`set_block_sparse_kernel` says ``"flex"``): the block-sparse flash-attention kernel of
   :mod:`carnator.attention.triton_bsa`, over key-block lists built once per :class:`BlockTable`.
-  On the H200 it runs at 1.17-1.35x of d x cuDNN SDPA for d 0.1-0.5 where flex runs at 1.56-1.75x
-  (docs/BENCHMARKS.md, lab/notebook/BENCHMARKS-scale.md).
+  It is the faster of the two at the densities Carnator's plans use (docs/BENCHMARKS.md).
 - ``"flex"`` (on CUDA where Triton's kernel does not serve): FlexAttention, compiled once per process
   with ``torch.compile``, over a ``BlockMask`` built directly from the block table
   (:func:`flex_block_mask`). Skipped blocks cost nothing; it pays below ~60 % block density on an
@@ -144,7 +143,7 @@ class BlockTable:
     Pass it to :func:`masked_attention` instead of the bare tensor when the same mask serves several
     calls: a recorded mask serves every layer call of the steps up to the next recorded one
     (``SparseConfig.stride``), and building a ``BlockMask`` (a sort of every query block's key
-    blocks) cost 1.5-2.3 ms per call at 32,760 tokens on the H200 (lab/notebook/BENCHMARKS-scale.md).
+    blocks) costs milliseconds per call at Wan's token counts.
     """
 
     def __init__(self, table: torch.Tensor):

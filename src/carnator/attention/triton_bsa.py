@@ -133,7 +133,7 @@ def block_sparse_attention(
 
     ``config``: ``BLOCK_N`` (key tile, divides ``block``), ``num_warps``, ``num_stages``, ``warp_specialize``
     (Triton's automatic warp specialization of the key loop, Triton >= 3.4) (default
-    :data:`DEFAULT_CONFIG`: the fastest of a 24-setting grid at both Wan shapes on the H200, lab/notebook/BENCHMARKS-scale.md)."""
+    :data:`DEFAULT_CONFIG`: the fastest of a 24-setting grid at both Wan shapes on an H200)."""
     if triton is None:
         raise RuntimeError("block_sparse_attention needs Triton (part of torch's CUDA builds)")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
