@@ -57,36 +57,31 @@ def parser_of(parse: Callable[[str], Any], name: str | None = None) -> Callable[
     return typed
 
 
-def int_in(lo: int, hi: int) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi]."""
+def _number_in(convert: Callable[[str], Any], word: str, lo: Any, hi: Any, show_value: bool) -> Callable[[str], Any]:
+    """An argparse type: ``convert(text)`` within [lo, hi], else one line naming the range."""
+    span = f"[{lo:g}, {hi:g}]" if isinstance(lo, float) else f"[{lo}, {hi}]"
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {word} in {span}, got {text!r}") from None
         if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {value}")
+            raise argparse.ArgumentTypeError(f"expected {word} in {span}, got {value if show_value else repr(text)}")
         return value
 
-    parse.__name__ = "integer"
+    parse.__name__ = word.split()[-1]
     return parse
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi]."""
+    return _number_in(int, "an integer", lo, hi, show_value=True)
 
 
 def float_in(lo: float, hi: float) -> Callable[[str], float]:
     """An argparse type: a number in [lo, hi]."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number in [{lo:g}, {hi:g}], got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected a number in [{lo:g}, {hi:g}], got {text!r}")
-        return value
-
-    parse.__name__ = "number"
-    return parse
+    return _number_in(float, "a number", float(lo), float(hi), show_value=False)
 
 
 def _base(hint: Any) -> tuple[Any, bool]:
