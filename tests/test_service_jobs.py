@@ -90,7 +90,7 @@ def test_retention_deletes_finished_jobs_and_their_videos_only(store):
     a queued and a running one stay. ``carnator serve --retention`` (7 days by default, 0: forever) says when."""
     import time
 
-    from carnator.service.server import DEFAULT_RETENTION_S, ServeConfig, parse_duration
+    from carnator.service.config import DEFAULT_RETENTION_S, ServeConfig, parse_duration
 
     old, failed, fresh, running, queued = (store.submit("a", {**P, "seed": i})[0] for i in range(5))
     for job in (old, failed, fresh, running):

@@ -25,9 +25,7 @@ from typing import Any
 
 from ..errors import CarnatorError
 from ..request import Params
-from .config import DEFAULT_RETENTION_S as DEFAULT_RETENTION_S  # the service's settings, where they were
 from .config import ServeConfig, duration_words
-from .config import parse_duration as parse_duration
 from .events import EventHub
 from .jobs import VIDEO_DIR, JobStore, JobStoreError, SqliteJobStore
 from .metrics import ServiceMetrics
