@@ -9,6 +9,8 @@
 #        .cache/dev/content-pairs.jsonl): `carnator calibrate` rows, and their sources judged (source_scores.py A)
 #   [STEPS="40 45"] bash lab/scripts/device_stream.sh OUT tiers   # lever 2: same-content pairs (.cache/dev/tier-pairs.jsonl)
 #        calibrated at later resume steps
+#   [FRAMES=81] bash lab/scripts/device_stream.sh OUT scale   # the tiers' plans at real size (Wan2.1-1.3B 480p, random
+#        weights): carnator-lab bench-scale with frame-tier hits from steps 45, 12 and 5 beside dense, the region hit and NIRVANA
 set -u
 out=$1; mode=$2; budget=${3:-480}
 rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk
@@ -70,5 +72,8 @@ case $mode in
     timeout 60 python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate --select-only \
       --judge shapes --quality fidelity=0.25 --quality artifact=0.1 $tq --resume-step ${STEPS:-2,5,12} --out /tmp/edits > /tmp/edits-select.log 2>&1
     tail -5 /tmp/edits-select.log; cp /tmp/edits/*.json "$out/edits/" 2>/dev/null ;;
+  scale)
+    python3 -m carnator_lab bench-scale wan2.1-1.3b --frames ${FRAMES:-81} --active-fraction 1.0 --densities 0.5 --no-kernels \
+      --frame-steps ${FRAME_STEPS:-45,12,5} --baselines nirvana --out "$out/scale" 2>&1 | grep --line-buffered -v -E "Warning|warn\(" | tail -30 ;;
 esac
 echo "done in $(( $(date +%s) - t0 )) s"

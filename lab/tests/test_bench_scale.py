@@ -34,7 +34,7 @@ def test_synthetic_masks_density_and_diagonal():
 @pytest.mark.slow
 def test_replayed_hit_on_tiny_wan(tmp_path):
     cfg = ScaleConfig(model="tiny-wan", steps=8, densities=(0.5,), active_fraction=0.4, resume_step=4, mask_stride=2, block=32,
-                      kernels=False, device="cpu", intra_cache="taylorseer", flex_options={"num_warps": 4})
+                      kernels=False, device="cpu", intra_cache="taylorseer", flex_options={"num_warps": 4}, frame_steps=(2, 6))
     rep = run_scale(cfg, tmp_path, progress=lambda s: None)
     assert set_flex_kernel_options(None) is None  # the run's kernel options do not outlive it
     d, (h,) = rep["dense"], rep["hits"]
@@ -60,9 +60,14 @@ def test_replayed_hit_on_tiny_wan(tmp_path):
     assert (b["chorus2"]["resume_step"], b["chorus2"]["dit_forwards"]) == (0, 2 * 8)
     assert abs(b["chorus2"]["mask_density"] - 0.5) < 0.1
     assert b["nirvana"]["entry_bytes"] < b["chorus"]["entry_bytes"]  # one latent against stage 2's range
+    # frame tiers: no probe, every token from the step on under the entry's masks (8 - 2 and 8 - 6 steps, CFG)
+    f2, f6 = rep["frame_tiers"]
+    assert (f2["hit"], f2["resume_step"], f2["dit_forwards"], f2["probe"]) == (True, 2, 2 * 6, "skipped")
+    assert (f6["hit"], f6["resume_step"], f6["dit_forwards"]) == (True, 6, 2 * 2)
+    assert f2["active_fraction"] == 1.0 and abs(f2["mask_density"] - 0.5) < 0.1 and "probe" not in f2["timings"]
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["tokens"] == int(np.prod(saved["token_grid"]))
-    assert "| dense |" in (tmp_path / "report.md").read_text()
+    assert "| dense |" in (tmp_path / "report.md").read_text() and "| frame tier from step 6, " in (tmp_path / "report.md").read_text()
 
 
 def test_cli_bench_scale_needs_cuda_or_a_known_size(capsys):

@@ -439,9 +439,9 @@ class Carnator:
             rs.timed("recall", t0)
         rs.inputs = inputs
         rs.prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
-        if spec is not None and rs.fallback is None and injected is None and hasattr(pol, "probe_needed") \
-                and not pol.probe_needed(inputs):
-            spec = None  # the probe cannot change this decision: the request runs its steps as dense does
+        if spec is not None and rs.fallback is None and hasattr(pol, "probe_needed") \
+                and not (pol.probe_needed(inputs) if injected is None else pol.plan_reads_probe(injected)):
+            spec = None  # the probe cannot change this decision (or an injected one's plan): the request runs its steps as dense does
             rs.stats.notes["probe"] = "skipped"
         rs.spec = spec if rs.fallback is None else None
 

@@ -99,6 +99,13 @@ def cmd_bench_scale(args, rest: list[str]) -> int:
         raise CarnatorError("--active-fraction must lie in (0, 1]")
     from .scale import BASELINES
 
+    try:
+        frame_steps = tuple(int(x) for x in args.frame_steps.split(",") if x.strip())
+    except ValueError:
+        raise CarnatorError(f"--frame-steps must be comma-separated steps, got {args.frame_steps!r}") from None
+    if not all(0 < f < args.steps for f in frame_steps):
+        raise CarnatorError(f"--frame-steps must lie in [1, --steps), got {args.frame_steps!r} of {args.steps} steps")
+
     baselines = tuple(b for b in args.baselines.split(",") if b) if args.baselines != "none" else ()
     unknown = sorted(set(baselines) - set(BASELINES))
     if unknown:
@@ -110,7 +117,7 @@ def cmd_bench_scale(args, rest: list[str]) -> int:
     cfg = ScaleConfig(model=args.model, frames=args.frames, steps=args.steps, densities=dens, active_fraction=args.active_fraction,
                       resume_step=args.resume_step, mask_stride=args.mask_stride, kernels=not args.no_kernels, device=args.device,
                       intra_cache=args.intra_cache, flex_options=flex_options, kernel_sweep=kernel_sweep, sparse_kernel=args.sparse_kernel,
-                      baselines=baselines, nirvana_resume_step=args.nirvana_resume_step)
+                      baselines=baselines, nirvana_resume_step=args.nirvana_resume_step, frame_steps=frame_steps)
     rep = run_scale(cfg, Path(args.out))
     print(to_markdown(rep))
     return 0
@@ -191,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--densities", default="0.1,0.2,0.3,0.5", help="block-mask densities of the replayed hits")
     z.add_argument("--active-fraction", type=float, default=0.3, help="Active share of tokens in the replayed plan")
     z.add_argument("--resume-step", type=int, default=None, help="the replayed plan's resume step (default: 30, carnator's without a thresholds file that names one)")
+    z.add_argument("--frame-steps", default="", metavar="STEPS",
+                   help="comma-separated resume steps of replayed frame-tier hits (no probe, every token recomputed, masks at the first density)")
     z.add_argument("--mask-stride", type=int, default=5, help="masks recorded every N steps")
     z.add_argument("--no-kernels", action="store_true", help="skip the kernel microbenchmark")
     z.add_argument("--baselines", default="nirvana,chorus,chorus2",

@@ -311,6 +311,11 @@ def replay_decision(policy: str, entry_id: str, cfg: "ScaleConfig", steps: int, 
     from carnator.reuse import noun_diff
 
     box = box_for_active_fraction(tuple(grid), cfg.active_fraction, _carnator_config(cfg).scope)
+    if policy.startswith("frame@"):  # a frame tier's hit: the decision a served one carries (no probe, no region)
+        r = int(policy[6:])
+        return Decision(reuse=True, source_id=entry_id, reason="replayed", resume_step=r,
+                        details={"tier": {"kind": "replayed", "step": r, "scope": "frame", "bound": None},
+                                 "substituted": None, "source_nouns": list(source_nouns)})
     if policy == "carnator":
         diff = noun_diff(target_nouns, source_nouns)
         return Decision(reuse=True, source_id=entry_id, reason="replayed", regions=(box,),
@@ -498,6 +503,9 @@ class ScaleConfig:
     #: the step (of 50, scaled to ``steps``) NIRVANA's replayed hit resumes at: 25 is its table's most
     #: aggressive row (similarity > 0.95), NIRVANA's best case
     nirvana_resume_step: int = 25
+    #: resume steps (of ``steps``) of replayed frame-tier hits: every token recomputed from the step, no probe, the
+    #: entry's masks at the first density (a tier as :class:`carnator.reuse.tiers.Tier` with scope "frame" serves it)
+    frame_steps: tuple[int, ...] = ()
     #: FlexAttention ``kernel_options`` for every flex call of the run (``None``: flex's heuristics)
     flex_options: dict[str, Any] | None = None
     #: the CUDA block-sparse kernel (:func:`~carnator.attention.kernels.set_block_sparse_kernel`): "auto" (Triton's) or "flex"
@@ -578,7 +586,7 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     r = max(cfg.resume_step, ccfg.probe_steps)
     baselines = baseline_policies(cfg, steps)
     base_steps = {b: _baseline_entry_steps(pol, cfg, steps) for b, pol in baselines.items()}
-    first = min([r - 1, *(i for st in base_steps.values() for i in st)])
+    first = min([r - 1, *(i for st in base_steps.values() for i in st), *(f - 1 for f in cfg.frame_steps)])
     econf = EngineConfig(capture_steps=list(range(first, steps)), latent_dtype="float16", store_video=False)
     eng = Carnator(pipe, CacheBank(cache_root), config=econf, embedder=hashed_embedder(64))
     eng.use_policy(CarnatorPolicy(ccfg))
@@ -667,6 +675,26 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
     rep["hits"] = hits
 
     d0 = cfg.densities[0]
+    tiers = []
+    for f in cfg.frame_steps:  # frame tiers: the source's latent at f - 1 and its masks, nothing else
+        masks = synthetic_masks(heads, n_tok, cfg.block, d0, steps=range(0, steps, cfg.mask_stride), layers=range(L), seed=2, device=dev)
+        if prev is not None:
+            eng.store.evict([prev])
+        prev = eng.store.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req, "carnator"), prompt=PROMPT_SOURCE, seed=0,
+                                        embedding=eng.embedder(PROMPT_SOURCE), steps_saved=float(f),
+                                        tensors={f"traj.{f - 1}": base[f"traj.{f - 1}"], **masks.to_tensors(MASK_PREFIX)},
+                                        extra={"steps": steps, "nouns": nouns_src}))
+        meta = eng.store.get(prev)
+        peak_reset()
+        hit = eng.generate(PROMPT_TARGET, seed=0, policy="carnator", store=False, decision=replay(prev, f"frame@{f}"), **kw)
+        row = _stage_row(hit, peak())
+        row.update({"frame_step": f, "density_requested": d0, "entry_bytes": meta.nbytes, "e2e_seconds": hit.stats.timings["total"],
+                    "probe": hit.stats.notes.get("probe"), "speedup_e2e": dense_e2e / hit.stats.timings["total"],
+                    "speedup_dit": dense.stats.timings["dit"] / hit.stats.timings["dit"]})
+        tiers.append(row)
+        progress(f"frame tier from step {f}: E2E {row['e2e_seconds']:.1f}s speedup {row['speedup_e2e']:.2f}x (hit={row['hit']}, "
+                 f"density {row['mask_density']})")
+    rep["frame_tiers"] = tiers
     rows = {}
     if baselines:  # the baselines' gate would recall the dense request's own entry (all its latents, no masks)
         eng.store.evict([dense.stats.entry_id])
@@ -780,6 +808,10 @@ def to_markdown(rep: dict) -> str:
                 "chorus2": f"mask density {h['mask_density'] or 0:.2f}"}.get(b, "")
         lines.append(f"| {b} hit, {plan} | {h['e2e_seconds']:.2f} | {h['speedup_e2e']:.2f}x | {h['timings']['dit']:.2f} | {h['speedup_dit']:.2f}x | "
                      f"{t(h, 'recall')} | - | - | - | {t(h, 'plan')} | {t(h, 'decode')} | {gib(h['peak_gpu_bytes'])} | {h['entry_bytes'] / 1e6:.1f} | - |")
+    for h in rep.get("frame_tiers", []):
+        lines.append(f"| frame tier from step {h['frame_step']}, mask density {h['mask_density'] or 0:.2f} (no probe) | {h['e2e_seconds']:.2f} | "
+                     f"{h['speedup_e2e']:.2f}x | {h['timings']['dit']:.2f} | {h['speedup_dit']:.2f}x | {t(h, 'recall')} | - | - | "
+                     f"{t(h, 'decision')} | {t(h, 'plan')} | {t(h, 'decode')} | {gib(h['peak_gpu_bytes'])} | {h['entry_bytes'] / 1e6:.1f} | - |")
     if rep["hits"]:
         h = rep["hits"][0]
         over = sum(h["timings"].get(k, 0.0) for k in ("recall", "signature", "decision"))

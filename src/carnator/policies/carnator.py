@@ -317,6 +317,11 @@ class CarnatorPolicy(Policy):
         # (open thresholds), the plan's target region is the probe's evidence.
         return not self.content_only()
 
+    def plan_reads_probe(self, decision: Decision) -> bool:
+        """Whether the plan of ``decision`` (an injected one: a replay) reads the probe; a frame tier's recomputes every
+        token from its step and reads none, so its replay runs no probe, as the served hit does."""
+        return not decision.reuse or (decision.details.get("tier") or {}).get("scope") != "frame"
+
     def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None) -> list[tuple[Candidate, NounDiff]]:
         """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds
         read one), with their noun diffs, in recall order; never an entry that was itself a reuse, nor (with
