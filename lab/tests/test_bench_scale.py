@@ -65,6 +65,8 @@ def test_replayed_hit_on_tiny_wan(tmp_path):
     assert (f2["hit"], f2["resume_step"], f2["dit_forwards"], f2["probe"]) == (True, 2, 2 * 6, "skipped")
     assert (f6["hit"], f6["resume_step"], f6["dit_forwards"]) == (True, 6, 2 * 2)
     assert f2["active_fraction"] == 1.0 and abs(f2["mask_density"] - 0.5) < 0.1 and "probe" not in f2["timings"]
+    m = rep["frame_miss"]  # every step computed, no probe, masks captured for later hits
+    assert (m["hit"], m["dit_forwards"], m["probe"]) == (False, 2 * 8, "skipped") and "probe" not in m["timings"]
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["tokens"] == int(np.prod(saved["token_grid"]))
     assert "| dense |" in (tmp_path / "report.md").read_text() and "| frame tier from step 6, " in (tmp_path / "report.md").read_text()

@@ -316,6 +316,8 @@ def replay_decision(policy: str, entry_id: str, cfg: "ScaleConfig", steps: int, 
         return Decision(reuse=True, source_id=entry_id, reason="replayed", resume_step=r,
                         details={"tier": {"kind": "replayed", "step": r, "scope": "frame", "bound": None},
                                  "substituted": None, "source_nouns": list(source_nouns)})
+    if policy == "frame-miss":
+        return Decision.miss("replayed", details={"tier": {"kind": "replayed", "scope": "frame"}})
     if policy == "carnator":
         diff = noun_diff(target_nouns, source_nouns)
         return Decision(reuse=True, source_id=entry_id, reason="replayed", regions=(box,),
@@ -694,6 +696,14 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
         tiers.append(row)
         progress(f"frame tier from step {f}: E2E {row['e2e_seconds']:.1f}s speedup {row['speedup_e2e']:.2f}x (hit={row['hit']}, "
                  f"density {row['mask_density']})")
+    if cfg.frame_steps:  # a miss under frame tiers only (the shipped kind): no probe, this request's masks captured
+        peak_reset()
+        miss = eng.generate(PROMPT_TARGET, seed=0, policy="carnator", store=False, decision=replay(prev, "frame-miss"), **kw)
+        row = _stage_row(miss, peak())
+        row.update({"e2e_seconds": miss.stats.timings["total"], "probe": miss.stats.notes.get("probe"),
+                    "speedup_e2e": dense_e2e / miss.stats.timings["total"], "speedup_dit": dense.stats.timings["dit"] / miss.stats.timings["dit"]})
+        rep["frame_miss"] = row
+        progress(f"miss under frame tiers: E2E {row['e2e_seconds']:.1f}s ({row['speedup_e2e']:.2f}x of dense)")
     rep["frame_tiers"] = tiers
     rows = {}
     if baselines:  # the baselines' gate would recall the dense request's own entry (all its latents, no masks)
@@ -812,6 +822,10 @@ def to_markdown(rep: dict) -> str:
         lines.append(f"| frame tier from step {h['frame_step']}, mask density {h['mask_density'] or 0:.2f} (no probe) | {h['e2e_seconds']:.2f} | "
                      f"{h['speedup_e2e']:.2f}x | {h['timings']['dit']:.2f} | {h['speedup_dit']:.2f}x | {t(h, 'recall')} | - | - | "
                      f"{t(h, 'decision')} | {t(h, 'plan')} | {t(h, 'decode')} | {gib(h['peak_gpu_bytes'])} | {h['entry_bytes'] / 1e6:.1f} | - |")
+    m = rep.get("frame_miss")
+    if m:
+        lines.append(f"| miss under frame tiers (no probe, masks captured) | {m['e2e_seconds']:.2f} | {m['speedup_e2e']:.2f}x | {m['timings']['dit']:.2f} | "
+                     f"{m['speedup_dit']:.2f}x | {t(m, 'recall')} | - | - | {t(m, 'decision')} | - | {t(m, 'decode')} | {gib(m['peak_gpu_bytes'])} | - | - |")
     if rep["hits"]:
         h = rep["hits"][0]
         over = sum(h["timings"].get(k, 0.0) for k in ("recall", "signature", "decision"))

@@ -318,9 +318,10 @@ class CarnatorPolicy(Policy):
         return not self.content_only()
 
     def plan_reads_probe(self, decision: Decision) -> bool:
-        """Whether the plan of ``decision`` (an injected one: a replay) reads the probe; a frame tier's recomputes every
-        token from its step and reads none, so its replay runs no probe, as the served hit does."""
-        return not decision.reuse or (decision.details.get("tier") or {}).get("scope") != "frame"
+        """Whether an injected ``decision`` (a replay) needs the probe: one naming a frame tier (a hit by it, whose plan
+        recomputes every token from its step, or a miss decided under frame tiers only) reads none, so its replay runs
+        no probe, as the served request does."""
+        return (decision.details.get("tier") or {}).get("scope") != "frame"
 
     def candidates(self, inputs: DecisionInputs, need_signature: bool | None = None) -> list[tuple[Candidate, NounDiff]]:
         """The recalled candidates that pass the noun filter (PAPER step 1) and carry a signature (when the thresholds

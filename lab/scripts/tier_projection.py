@@ -1,0 +1,102 @@
+"""A held-out stream's tier mix at real size: each request of one variant costed by the bench-scale replay of its plan.
+
+    python3 lab/scripts/tier_projection.py --requests STREAM.jsonl.gz --scale REPORT.json [--variant default]
+        [--what-if colour,object,size:5]
+
+The stream (held_out_stream.py rows) says what each request got on the embedded model: a miss, an exact hit, or a
+hit by a tier resuming at step r of 50 (read from the row's reason). ``carnator-lab bench-scale --frame-steps ...``
+(random weights, Wan2.1-1.3B 480p) times a frame-tier hit from each such step, a miss under frame tiers (no probe,
+masks captured) and dense. The projection replaces each request's embedded cost by its real-size cost relative to
+dense: workload speedup = requests / sum of (cost / dense). An exact hit returns a stored video: its cost is taken
+as the stream's own exact-hit seconds over the real-size dense E2E (model-size independent, an assumption stated in
+the output). ``--what-if KINDS:STEP`` also costs the misses of those kinds as frame-tier hits from STEP: what a tier
+would pay if it certified (it did not; the output says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+
+STEP = re.compile(r"from step (\d+) of (\d+)")
+
+
+def load_rows(path: Path, variant: str) -> list[dict]:
+    op = gzip.open if path.suffix == ".gz" else open
+    with op(path, "rt") as f:
+        return [r for r in map(json.loads, f) if r.get("policy") == variant]
+
+
+def resume_step(row: dict) -> int | None:
+    m = STEP.search(row.get("reason") or "")
+    return None if m is None else round(int(m.group(1)) * 50 / int(m.group(2)))
+
+
+def project(rows: list[dict], scale: dict, what_if: tuple[set[str], int] | None = None) -> dict:
+    dense = scale["dense"]["e2e_seconds"]
+    tier_cost = {t["frame_step"]: t["e2e_seconds"] / dense for t in scale["frame_tiers"]}
+    miss_cost = scale["frame_miss"]["e2e_seconds"] / dense
+    exact_s = [r["e2e"] for r in rows if r.get("exact")]
+    exact_cost = (sum(exact_s) / len(exact_s)) / dense if exact_s else 0.0
+    by_kind: dict[str, Counter] = defaultdict(Counter)
+    total, missing = 0.0, Counter()
+    for r in rows:
+        kind = r.get("change") or "unknown"
+        c = by_kind[kind]
+        c["requests"] += 1
+        if r.get("exact"):
+            c["exact"] += 1
+            total += exact_cost
+            continue
+        step = resume_step(r) if r.get("hit") else None
+        if step is None and what_if is not None and kind in what_if[0]:
+            step = what_if[1]
+            c["what_if"] += 1
+        if step is None:
+            total += miss_cost
+            continue
+        if step not in tier_cost:
+            missing[step] += 1
+            total += miss_cost
+            continue
+        c["hits"] += 1
+        c[f"step {step}"] += 1
+        total += tier_cost[step]
+    n = len(rows)
+    hits = sum(c["hits"] + c["exact"] for c in by_kind.values())
+    return {"requests": n, "hits": hits, "hit_rate": hits / n if n else 0.0, "workload_speedup": n / total if total else 0.0,
+            "cost_per_request": {"miss": miss_cost, "exact": exact_cost, **{f"frame tier from step {s}": v for s, v in sorted(tier_cost.items())}},
+            "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())}, "unpriced_steps": dict(missing),
+            "dense_e2e_seconds": dense, "device": scale.get("device"), "model": scale["spec"]["name"], "frames": scale["config"]["frames"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=Path, required=True, help="held_out_stream.py rows (requests.jsonl[.gz])")
+    ap.add_argument("--scale", type=Path, required=True, help="bench-scale report.json with --frame-steps")
+    ap.add_argument("--variant", default="default")
+    ap.add_argument("--what-if", default=None, metavar="KINDS:STEP", help="cost these kinds' misses as frame-tier hits from STEP (not certified)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    scale = json.loads(a.scale.read_text())
+    rows = load_rows(a.requests, a.variant)
+    if not rows:
+        raise SystemExit(f"tier_projection: error: no rows of variant {a.variant!r} in {a.requests}")
+    res = {"variant": a.variant, "shipped": project(rows, scale)}
+    if a.what_if:
+        kinds, step = a.what_if.rsplit(":", 1)
+        res["what_if"] = {"kinds": kinds.split(","), "step": int(step), "certified": False,
+                          **project(rows, scale, (set(kinds.split(",")), int(step)))}
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
