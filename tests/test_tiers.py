@@ -182,3 +182,19 @@ def test_an_entry_keeps_the_latents_its_tiers_read_and_a_frame_tier_reads_one(tm
     assert kept == ["traj.14"]
     again = only_frame.generate("a big red ball moving left on grass", seed=4, num_inference_steps=N, store=False)
     assert again.stats.hit and again.stats.resume_step == 15   # served from that one latent
+
+
+def test_one_resume_step_with_a_tier_scope_calibrates_tiers_at_that_step(tmp_path):
+    """A tier calibration at one step (a kind's step known, more pairs wanted there): each reuse goes through the open
+    tier of its kind and is planned as a served one (a frame tier: the whole frame from the step, no probe blended in)."""
+    from carnator.calibrate.run import run_calibration
+    from carnator.judges import QualityRule
+
+    eng = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c", device="cpu", embedder=hashed_embedder(64))
+    pairs = [("colour", "a big red ball on grass", 1, "a big blue ball on grass", 2)]
+    summary = run_calibration(eng, tmp_path / "cal", pairs, judge=_Pass(), rule=QualityRule({"fidelity": 0.25}, _Pass.directions),
+                              steps=10, resume_step=[5], tier_scope="frame", progress=lambda *a: None)
+    (row,) = [__import__("json").loads(line) for line in (tmp_path / "cal" / "pairs.jsonl").read_text().splitlines()]
+    assert row["hit"] and (row["resume_step"], row["scope"], row["change"]) == (5, "frame", "colour")
+    assert "colour of" in row["reason"] and "whole frame from step 5 of 10" in row["reason"]
+    assert set(summary["tiers"]) == {"colour"}   # one kind, one step: too few pairs to certify, but tabled per kind

@@ -777,13 +777,14 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
     k.add_argument("--resume-step", type=_resume_steps, default=None, metavar="STEP[,STEP...]",
                    help="the step a reuse resumes at (default: the policy's own setting, else 30); recorded in the thresholds file. "
-                        "Several (5,10,20,45): risk tiers, each pair reused from every step and one step certified per kind of change")
+                        "Several (5,10,20,45): risk tiers, each pair reused from every step and one step certified per kind of change "
+                        "(one step with --tier-scope frame|region or --tier-quality: tiers at that step)")
     k.add_argument("--tier-scope", choices=["auto", "frame", "region"], default="auto",
-                   help="with several resume steps, how a tier's reuse recomputes: frame (every token from its step), region "
+                   help="risk tiers: how a tier's reuse recomputes: frame (every token from its step), region "
                         "(the probe's regions, the source kept outside them) or auto (frame for re-rolls and rewordings, region "
                         "for edits; default)")
     k.add_argument("--tier-quality", action="append", default=[], metavar="KIND:SCORE=DELTA",
-                   help="with several resume steps, a kind of change's own rule: the quality rule with this score added "
+                   help="risk tiers: a kind of change's own rule: the quality rule with this score added "
                         "(repeatable; e.g. colour:color=0.05: a colour edit that lost a colour dense shows is unsafe)")
     k.add_argument("--noise-floor", action="store_true",
                    help="also generate each target densely at another seed and report how often the rule fails it against "

@@ -122,7 +122,8 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     ``settings``: generation settings (height, width, num_frames, guidance_scale) for every request.
     ``shard=(k, n)``: only pairs k, k + n, ... and return None without selecting (a worker of ``--jobs n``).
 
-    ``resume_step``: one step, or several (risk tiers): each pair's source is then generated once and its target
+    ``resume_step``: one step, or several (risk tiers; one step with ``tier_rules`` or a ``tier_scope`` other than
+    "auto" is tiers at that step): each pair's source is then generated once and its target
     reused from every step, one row per (pair, step), and the thresholds file certifies one tier per kind of change
     (:func:`carnator.calibrate.certify.certify_tiers`) instead of one set of thresholds. ``tier_scope``: how those reuses
     recompute: "frame" every token from the step, "region" the probe's regions (blending the source in outside them),
@@ -149,7 +150,8 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     if resume_step is None or isinstance(resume_step, int):
         resume_step = [int(resume_step or base.resume_step or DEFAULT_RESUME_STEP)]
     at_steps = sorted({int(r) for r in resume_step})
-    tiered = len(at_steps) > 1
+    # Tiers: several steps, or a kind's own rule or a tier scope asked for (one step then certifies one tier per kind)
+    tiered = len(at_steps) > 1 or bool(tier_rules) or tier_scope != "auto"
     # Forced reuse: thresholds that accept every pair (with tiers, a tier open for every kind of change, so that the
     # reuse is decided and planned as a served one is; its resume step is the run's, not the nominal 1 of 2).
     open_tau = out_dir / "open_thresholds.json"
