@@ -6,16 +6,23 @@ by what the content reader says changed (``change_kind``: colour, object, size, 
 ``--per-kind`` of each, the kinds interleaved (a run cut short still has every kind). Writes a pairs file for
 ``carnator calibrate --pairs-file F --resume-step 5,10,20,30``.
 
-``write``: the shipped thresholds file from such a calibration's thresholds.json (its certified edit tiers) and the
-same-content tiers certified at step 45 (re-roll, rewording: ``meta.resume.at_45`` of the current shipped file).
+``certify``: one kind's tier at a step already selected (by an earlier run's selection split), certified once on
+every row not used to select it, pooled: a run's certification split (``ROWS:cert``, the split ``certify_tiers``
+made) and whole runs drawn afterwards (``ROWS``). Writes a thresholds.json that ``write`` takes.
+
+``write``: the shipped thresholds file with such a file's certified edit tiers merged in: the same-content tiers
+certified at step 45 (re-roll, rewording: ``meta.resume.at_45`` of the current shipped file) and every edit tier the
+shipped file already certifies are kept; a kind in both takes the new one.
 
     python3 lab/scripts/edit_tiers.py draw --out .cache/dev/edit-pairs.jsonl --per-kind 80
+    python3 lab/scripts/edit_tiers.py certify --kind size --step 5 --rows H200.jsonl.gz:cert --rows NEW.jsonl --out T.json
     python3 lab/scripts/edit_tiers.py write --tiers OUT/thresholds.json --into src/carnator/embedded/thresholds.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -45,8 +52,51 @@ def draw(out: Path, per_kind: int, seed: int = 1, warm: int = 1000) -> dict[str,
     return {k: len(v) for k, v in by_kind.items()}
 
 
+def _rows(spec: str) -> tuple[list[dict], bool]:
+    path, _, part = spec.partition(":")
+    if part not in ("", "cert"):
+        raise SystemExit(f"--rows {spec!r}: expected PATH or PATH:cert")
+    op = gzip.open if path.endswith(".gz") else open
+    with op(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()], part == "cert"
+
+
+def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path) -> dict:
+    """``kind``'s tier at ``step`` certified on the pooled certification rows of ``specs`` (see the module's doc)."""
+    from carnator.calibrate.certify import CalibrationConfig, clopper_pearson_upper, split_pairs
+    from carnator.judges import QualityRule
+
+    cfg, label = CalibrationConfig(), QualityRule.from_dict(rule)
+    used: list[dict] = []
+    sources = []
+    for spec in specs:
+        rows, cert_only = _rows(spec)
+        mine = [r for r in rows if r.get("change") == kind]
+        ids = sorted({int(r["i"]) for r in mine})
+        keep = set(ids)
+        if cert_only and len(ids) >= 2:
+            keep = {ids[j] for j in split_pairs(len(ids), cfg)[1]}   # as certify_tiers split this run's pairs
+        at = [r for r in mine if int(r["i"]) in keep and int(r["resume_step"]) == step]
+        reused = [r for r in at if r["hit"]]
+        bad = sum(1 for r in reused if not label.label(r))
+        sources.append({"rows": spec, "pairs": len(at), "reused": len(reused), "unsafe": bad})
+        used += reused
+    of = int(used[0]["num_steps"]) if used else 50
+    bad = sum(1 for r in used if not label.label(r))
+    bound = clopper_pearson_upper(bad, len(used), cfg.confidence) if used else None
+    tier = {"kind": kind, "step": step, "of": of, "scope": next((r["scope"] for r in used if r.get("scope")), "frame"),
+            "pairs": sum(s["pairs"] for s in sources), "accepted": len(used), "unsafe": bad, "bound": bound,
+            "certified": bool(bound is not None and bound <= cfg.delta), "rule": rule, "certified_on": sources}
+    doc = {"thresholds": {"tiers": {kind: tier}}, "meta": {"tiers": {kind: tier}}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return tier
+
+
 def write(tiers_file: Path, into: Path) -> dict:
-    """Merge the certified edit tiers of ``tiers_file`` and the same-content tiers at 45 into ``into``."""
+    """Merge the certified edit tiers of ``tiers_file`` into ``into`` (see the module's doc)."""
+    from carnator.reuse.tiers import Tier
+
     new = json.loads(tiers_file.read_text())
     doc = json.loads(into.read_text())
     at = doc["meta"]["resume"]
@@ -55,12 +105,18 @@ def write(tiers_file: Path, into: Path) -> dict:
         c = at["at_45"]["per_category"][kind]
         tiers[kind] = {"kind": kind, "step": at["step"], "of": at["of"], "scope": "frame", "pairs": c["pairs"],
                        "accepted": c["accepted"], "unsafe": c["unsafe"], "bound": c["bound"], "certified": bool(c["certified"])}
-    for kind, t in new["thresholds"].get("tiers", {}).items():
+    old = doc["thresholds"].get("tiers", {})
+    meta = dict(doc["meta"].get("tiers", {}))
+    for kind, t in old.items():
         if kind not in tiers and t.get("certified"):
             tiers[kind] = t
+    for kind, t in new["thresholds"].get("tiers", {}).items():
+        if kind not in ("re-roll", "rewording") and t.get("certified"):
+            tiers[kind] = Tier.from_dict(t).to_dict()
+            meta[kind] = new["meta"]["tiers"][kind]
     doc["thresholds"]["tiers"] = tiers
-    doc["meta"]["tiers"] = new["meta"]["tiers"]
-    doc["meta"]["tiers_certified_by"] = "lab/scripts/edit_tiers.py write (calibrate --resume-step over edit pairs)"
+    doc["meta"]["tiers"] = meta
+    doc["meta"]["tiers_certified_by"] = "lab/scripts/edit_tiers.py (calibrate --resume-step over edit pairs; certify; write)"
     into.write_text(json.dumps(doc, indent=2) + "\n")
     return tiers
 
@@ -72,12 +128,21 @@ def main() -> None:
     d.add_argument("--out", type=Path, required=True)
     d.add_argument("--per-kind", type=int, default=80)
     d.add_argument("--seed", type=int, default=1)
+    c = sub.add_parser("certify")
+    c.add_argument("--kind", required=True)
+    c.add_argument("--step", type=int, required=True)
+    c.add_argument("--rows", action="append", required=True, help="PATH (every pair) or PATH:cert (its certification split)")
+    c.add_argument("--rule", default='{"deltas": {"fidelity": 0.25, "artifact": 0.1, "size": 0.05}, '
+                   '"directions": {"fidelity": 1, "artifact": -1, "size": 1}}', help="the kind's QualityRule as JSON")
+    c.add_argument("--out", type=Path, required=True)
     w = sub.add_parser("write")
     w.add_argument("--tiers", type=Path, required=True)
     w.add_argument("--into", type=Path, default=ROOT / "src/carnator/embedded/thresholds.json")
     a = ap.parse_args()
     if a.cmd == "draw":
         print(draw(a.out, a.per_kind, a.seed))
+    elif a.cmd == "certify":
+        print(json.dumps(certify(a.kind, a.step, a.rows, json.loads(a.rule), a.out), indent=1))
     else:
         print(json.dumps(write(a.tiers, a.into), indent=1))
 

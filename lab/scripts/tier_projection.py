@@ -2,6 +2,7 @@
 
     python3 lab/scripts/tier_projection.py --requests STREAM.jsonl.gz --scale REPORT.json [--variant default]
         [--what-if colour,object,size:5]
+    python3 lab/scripts/tier_projection.py --requests STREAM.jsonl.gz --costs dense=66.93,miss=67.41,45=10.12,...
 
 The stream (held_out_stream.py rows) says what each request got on the embedded model: a miss, an exact hit, or a
 hit by a tier resuming at step r of 50 (read from the row's reason). ``carnator-lab bench-scale --frame-steps ...``
@@ -10,7 +11,8 @@ masks captured) and dense. The projection replaces each request's embedded cost 
 dense: workload speedup = requests / sum of (cost / dense). An exact hit returns a stored video: its cost is taken
 as the stream's own exact-hit seconds over the real-size dense E2E (model-size independent, an assumption stated in
 the output). ``--what-if KINDS:STEP`` also costs the misses of those kinds as frame-tier hits from STEP: what a tier
-would pay if it certified (it did not; the output says so).
+would pay if it certified (it did not; the output says so). ``--costs`` gives the same E2E seconds by hand (dense,
+miss, and STEP=seconds per frame-tier step), as a bench-scale run printed them, where its report file is not at hand.
 """
 
 from __future__ import annotations
@@ -74,15 +76,29 @@ def project(rows: list[dict], scale: dict, what_if: tuple[set[str], int] | None 
             "dense_e2e_seconds": dense, "device": scale.get("device"), "model": scale["spec"]["name"], "frames": scale["config"]["frames"]}
 
 
+def costs_report(spec: str) -> dict:
+    """``--costs`` as the part of a bench-scale report that :func:`project` reads."""
+    got = dict(item.split("=", 1) for item in spec.split(","))
+    try:
+        sec = {k.strip(): float(v) for k, v in got.items()}
+        tiers = [{"frame_step": int(k), "e2e_seconds": v} for k, v in sec.items() if k not in ("dense", "miss")]
+        return {"dense": {"e2e_seconds": sec["dense"]}, "frame_miss": {"e2e_seconds": sec["miss"]}, "frame_tiers": tiers,
+                "spec": {"name": "as given (--costs)"}, "config": {"frames": None}}
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"tier_projection: error: --costs needs dense=S,miss=S and STEP=S items, got {spec!r} ({e})") from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=Path, required=True, help="held_out_stream.py rows (requests.jsonl[.gz])")
-    ap.add_argument("--scale", type=Path, required=True, help="bench-scale report.json with --frame-steps")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scale", type=Path, help="bench-scale report.json with --frame-steps")
+    src.add_argument("--costs", help="dense=S,miss=S,STEP=S,...: E2E seconds as a bench-scale run printed them")
     ap.add_argument("--variant", default="default")
     ap.add_argument("--what-if", default=None, metavar="KINDS:STEP", help="cost these kinds' misses as frame-tier hits from STEP (not certified)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    scale = json.loads(a.scale.read_text())
+    scale = json.loads(a.scale.read_text()) if a.scale else costs_report(a.costs)
     rows = load_rows(a.requests, a.variant)
     if not rows:
         raise SystemExit(f"tier_projection: error: no rows of variant {a.variant!r} in {a.requests}")

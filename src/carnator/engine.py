@@ -439,7 +439,7 @@ class Carnator:
             rs.timed("recall", t0)
         rs.inputs = inputs
         rs.prefetched = self._prefetch(pol.prefetch(inputs)) if inputs.candidates and injected is None else None
-        if spec is not None and rs.fallback is None and hasattr(pol, "probe_needed") \
+        if spec is not None and rs.fallback is None \
                 and not (pol.probe_needed(inputs) if injected is None else pol.plan_reads_probe(injected)):
             spec = None  # the probe cannot change this decision (or an injected one's plan): the request runs its steps as dense does
             rs.stats.notes["probe"] = "skipped"

@@ -262,7 +262,13 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
             engine.store.clear(tenant=tenant)
             bar.update(1)
             per = (time.perf_counter() - t_start) / (k + 1)
-            say(f"{len(done)}/{len(pairs) * len(at_steps)} {kind:7s} hit={row['hit']} acceptable={row['acceptable']} "
+            # a worker (shard) counts its own rows of the one pairs.jsonl, out of its share of the pairs, named
+            mine, n_done = len(pairs), len(done)
+            if shard is not None:
+                mine = len(range(shard[0], len(pairs), shard[1]))
+                n_done = sum(1 for key in done if (key[0] if tiered else key) % shard[1] == shard[0])
+            say(f"{'' if shard is None else f'worker {shard[0] + 1} of {shard[1]}: '}{n_done}/{mine * len(at_steps)} "
+                f"{kind:7s} hit={row['hit']} acceptable={row['acceptable']} "
                 f"({per:.1f} s/pair, ETA {per * (n_todo - k - 1):.0f} s)")
     if shard is not None:
         return None

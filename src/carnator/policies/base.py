@@ -77,6 +77,15 @@ class Policy(ABC):
         """The dense probe this policy reads (None: no probe)."""
         return None
 
+    def probe_needed(self, inputs: DecisionInputs) -> bool:
+        """Whether this request's decision reads :meth:`probe_spec`'s probe, given the recalled candidates (False: the
+        request runs its steps as dense does, no probe). Default: always."""
+        return True
+
+    def plan_reads_probe(self, decision: Decision) -> bool:
+        """Whether an injected ``decision`` (a replay) needs the probe for its plan. Default: always."""
+        return True
+
     def sparse_config(self) -> SparseConfig | None:
         """The block-mask capture this policy records (and may apply) where a block-sparse kernel makes it pay."""
         return None
