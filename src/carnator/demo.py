@@ -22,8 +22,8 @@ import numpy as np
 #: (prompt, seed): a stream of related requests, as a newcomer would send them: a first generation, a re-roll (another
 #: seed), rewordings (a framing prefix, style and quality words, synonyms), then one change at a time (motion, object,
 #: colour, size, place), an exact repeat, an unrelated prompt and its rewording. With the shipped file (and the embedded
-#: model's admission gate, its shapes judge) re-rolls and rewordings reuse a request that asks the same, every change of what is asked is
-#: generated anew (content <= 0), each certified per kind of change (docs/BENCHMARKS.md); each line says why.
+#: model's admission gate, its shapes judge) each kind of change with a certified tier reuses (re-rolls, rewordings, and
+#: the place edit from its own earlier step); the others are generated anew (docs/BENCHMARKS.md); each line says why.
 STREAM: list[tuple[str, int]] = [
     ("a small red ball moving left on grass", 1),
     ("a small red ball moving left on grass", 5),
