@@ -1,0 +1,75 @@
+"""lab/scripts/edit_tiers.py: a selected step certified on pooled rows (known counts, the bound as certify_tiers
+computes it) and the shipped file's tiers merged, not replaced."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from carnator.calibrate.certify import CalibrationConfig, clopper_pearson_upper, split_pairs
+
+ROOT = Path(__file__).resolve().parents[2]
+RULE = {"deltas": {"fidelity": 0.25, "artifact": 0.1, "size": 0.05}, "directions": {"fidelity": 1, "artifact": -1, "size": 1}}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("edit_tiers", ROOT / "lab" / "scripts" / "edit_tiers.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["edit_tiers"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(i: int, step: int, hit: bool, size: float, kind: str = "size") -> dict:
+    good = {"fidelity": 1.0, "artifact": 0.0, "size": 1.0}
+    return {"i": i, "change": kind, "kind": kind, "resume_step": step, "num_steps": 50, "scope": "frame", "hit": hit,
+            "dense": good, "reuse": {**good, "size": size}, "acceptable": size >= 0.95}
+
+
+def test_certify_pools_a_runs_certification_split_with_later_runs(tmp_path):
+    et = _script()
+    # run A: 20 size pairs at steps 5 and 12 (pairs 3 and 4 unsafe at 5), 6 colour pairs that must not count
+    a = [_row(i, s, True, 0.5 if (s == 5 and i in (3, 4)) else 1.0) for i in range(20) for s in (5, 12)]
+    a += [_row(100 + i, 5, True, 0.0, kind="colour") for i in range(6)]
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in a))
+    # run B: 10 new pairs at step 5 only, one not reused (the source failed its gate), one unsafe
+    b = [_row(i, 5, i != 0, 0.0 if i == 7 else 1.0) for i in range(10)]
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in b))
+    cert = set(split_pairs(20, CalibrationConfig())[1].tolist())   # as certify_tiers splits run A's 20 size pairs
+    bad_a = len(cert & {3, 4})
+    tier = et.certify("size", 5, [f"{tmp_path / 'a.jsonl.gz'}:cert", str(tmp_path / "b.jsonl")], RULE, tmp_path / "t.json")
+    assert tier["certified_on"] == [{"rows": f"{tmp_path / 'a.jsonl.gz'}:cert", "pairs": len(cert), "reused": len(cert),
+                                     "unsafe": bad_a},
+                                    {"rows": str(tmp_path / "b.jsonl"), "pairs": 10, "reused": 9, "unsafe": 1}]
+    assert (tier["pairs"], tier["accepted"], tier["unsafe"]) == (len(cert) + 10, len(cert) + 9, bad_a + 1)
+    assert tier["bound"] == clopper_pearson_upper(bad_a + 1, len(cert) + 9, 0.9) and tier["certified"] is False
+    assert json.loads((tmp_path / "t.json").read_text())["thresholds"]["tiers"]["size"]["step"] == 5
+
+
+def test_write_keeps_the_shipped_edit_tiers_and_adds_a_certified_one(tmp_path):
+    et = _script()
+    shipped = tmp_path / "thresholds.json"
+    shutil.copy(ROOT / "src" / "carnator" / "embedded" / "thresholds.json", shipped)
+    before = json.loads(shipped.read_text())["thresholds"]["tiers"]
+    # 60 size pairs, none unsafe: certified (bound 3.8 % at 90 %)
+    rows = [_row(i, 5, True, 1.0) for i in range(60)]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    et.certify("size", 5, [str(tmp_path / "r.jsonl")], RULE, tmp_path / "t.json")
+    tiers = et.write(tmp_path / "t.json", shipped)
+    assert set(tiers) == set(before) | {"size"}
+    assert all(tiers[k] == before[k] for k in before if k not in ("re-roll", "rewording"))   # place kept as it was
+    assert tiers["size"] == {"kind": "size", "step": 5, "of": 50, "scope": "frame", "pairs": 60, "accepted": 60,
+                             "unsafe": 0, "bound": clopper_pearson_upper(0, 60, 0.9), "certified": True}
+    doc = json.loads(shipped.read_text())
+    assert doc["meta"]["tiers"]["size"]["certified_on"][0]["reused"] == 60 and "place" in doc["meta"]["tiers"]
+    # an uncertified tier is not written
+    rows[0]["reuse"]["size"] = 0.0
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
+    et.certify("size", 5, [str(tmp_path / "r.jsonl")], RULE, tmp_path / "t2.json")
+    shutil.copy(ROOT / "src" / "carnator" / "embedded" / "thresholds.json", shipped)
+    assert "size" not in et.write(tmp_path / "t2.json", shipped) or before.get("size")
