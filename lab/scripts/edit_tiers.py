@@ -79,7 +79,7 @@ def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path) -> di
         at = [r for r in mine if int(r["i"]) in keep and int(r["resume_step"]) == step]
         reused = [r for r in at if r["hit"]]
         bad = sum(1 for r in reused if not label.label(r))
-        sources.append({"rows": spec, "pairs": len(at), "reused": len(reused), "unsafe": bad})
+        sources.append({"rows": Path(spec).name, "pairs": len(at), "reused": len(reused), "unsafe": bad})   # the file, not its folder
         used += reused
     of = int(used[0]["num_steps"]) if used else 50
     bad = sum(1 for r in used if not label.label(r))
