@@ -25,6 +25,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 STEP = re.compile(r"from step (\d+) of (\d+)")
+STEP_50 = re.compile(r"resumes at step (\d+)")   # NIRVANA's reason (of the 50 steps the stream runs)
 
 
 def load_rows(path: Path, variant: str) -> list[dict]:
@@ -33,12 +34,18 @@ def load_rows(path: Path, variant: str) -> list[dict]:
         return [r for r in map(json.loads, f) if r.get("policy") == variant]
 
 
-def resume_step(row: dict) -> int | None:
-    m = STEP.search(row.get("reason") or "")
-    return None if m is None else round(int(m.group(1)) * 50 / int(m.group(2)))
+def resume_step(row: dict, default: int | None = None) -> int | None:
+    """The step a hit resumed from, read from its reason; ``default`` where the reason names none (a file certified
+    at one step, as the default before tiers: its ``meta.resume.step``)."""
+    reason = row.get("reason") or ""
+    m = STEP.search(reason)
+    if m is not None:
+        return round(int(m.group(1)) * 50 / int(m.group(2)))
+    m = STEP_50.search(reason)
+    return int(m.group(1)) if m is not None else default
 
 
-def project(rows: list[dict], scale: dict, what_if: tuple[set[str], int] | None = None) -> dict:
+def project(rows: list[dict], scale: dict, what_if: tuple[set[str], int] | None = None, default_step: int | None = None) -> dict:
     dense = scale["dense"]["e2e_seconds"]
     tier_cost = {t["frame_step"]: t["e2e_seconds"] / dense for t in scale["frame_tiers"]}
     miss_cost = scale["frame_miss"]["e2e_seconds"] / dense
@@ -54,7 +61,7 @@ def project(rows: list[dict], scale: dict, what_if: tuple[set[str], int] | None 
             c["exact"] += 1
             total += exact_cost
             continue
-        step = resume_step(r) if r.get("hit") else None
+        step = resume_step(r, default_step) if r.get("hit") else None
         if step is None and what_if is not None and kind in what_if[0]:
             step = what_if[1]
             c["what_if"] += 1
@@ -96,17 +103,18 @@ def main() -> int:
     src.add_argument("--costs", help="dense=S,miss=S,STEP=S,...: E2E seconds as a bench-scale run printed them")
     ap.add_argument("--variant", default="default")
     ap.add_argument("--what-if", default=None, metavar="KINDS:STEP", help="cost these kinds' misses as frame-tier hits from STEP (not certified)")
+    ap.add_argument("--default-step", type=int, default=None, help="the resume step of a hit whose reason names none")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     scale = json.loads(a.scale.read_text()) if a.scale else costs_report(a.costs)
     rows = load_rows(a.requests, a.variant)
     if not rows:
         raise SystemExit(f"tier_projection: error: no rows of variant {a.variant!r} in {a.requests}")
-    res = {"variant": a.variant, "shipped": project(rows, scale)}
+    res = {"variant": a.variant, "shipped": project(rows, scale, default_step=a.default_step)}
     if a.what_if:
         kinds, step = a.what_if.rsplit(":", 1)
         res["what_if"] = {"kinds": kinds.split(","), "step": int(step), "certified": False,
-                          **project(rows, scale, (set(kinds.split(",")), int(step)))}
+                          **project(rows, scale, (set(kinds.split(",")), int(step)), a.default_step)}
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:
