@@ -169,9 +169,12 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
         engine.use_policy(forced)
         if isinstance(getattr(engine, "_warned", None), set):  # forced reuse is the point here: no "uncertified" notice
             engine._warned.add(f"uncertified:{forced.name}")
-    # The source runs carnator from the earliest resume step, so that its entry keeps every latent the reuses read
-    # (EngineConfig.capture_steps="auto"); it is alone in its tenant, so always a miss.
-    at = {"resume_step": at_steps[0], "probe": "always"}
+    # The source runs carnator from the earliest resume step under a file without tiers, so that its entry keeps every
+    # latent the reuses read, traj.{r-1} .. traj.{n-1} (EngineConfig.capture_steps="auto"; under the engine's own file a
+    # frame tier would keep only its own step's); it is alone in its tenant, so always a miss.
+    source_tau = out_dir / "source_thresholds.json"
+    Thresholds(math.inf, math.inf, math.inf, math.inf).save(source_tau, model_id=engine.model_identity)
+    at = {"resume_step": at_steps[0], "probe": "always", "thresholds": str(source_tau)}
     source_pol = CarnatorPolicy(CarnatorConfig(**{**vars(base), **at}))
     source_pol.name = "carnator-source"
     engine.use_policy(source_pol)
