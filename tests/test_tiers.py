@@ -201,15 +201,16 @@ def test_one_resume_step_with_a_tier_scope_calibrates_tiers_at_that_step(tmp_pat
 
 
 def test_a_tier_calibration_reuses_from_steps_the_engines_own_tiers_do_not_keep(tmp_path):
-    """The engine's file (the shipped one: frame tiers at 45 and 12 of 50, each keeping one latent) does not decide what
-    a calibration's source keeps: a reuse from each asked step finds its latent."""
+    """The engine's file (the shipped one: frame tiers, each keeping one latent) does not decide what a calibration's
+    source keeps: a reuse from each asked step finds its latent."""
     import json
 
     from carnator.calibrate.run import run_calibration
     from carnator.judges import QualityRule
 
     eng = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c", device="cpu", embedder=hashed_embedder(64))
-    assert {t.step for t in eng.policy("carnator").tiers.values()} == {45, 12}   # the shipped frame tiers
+    shipped = eng.policy("carnator").tiers.values()   # frame tiers, each keeping its own step's latent alone
+    assert shipped and all(t.scope == "frame" for t in shipped) and 7 not in {t.resume_at(10) for t in shipped}
     pairs = [("place", "a big red ball on grass", 1, "a big red ball in the snow", 2)]
     run_calibration(eng, tmp_path / "cal", pairs, judge=_Pass(), rule=QualityRule({"fidelity": 0.25}, _Pass.directions),
                     steps=10, resume_step=[5, 7], tier_scope="frame", progress=lambda *a: None)
