@@ -75,10 +75,10 @@ def test_a_place_edit_is_reused_by_its_tier_from_its_early_step(gated):
     eng, first, _, _ = gated
     res = eng.generate(PROMPT.replace("on grass", "in the snow"), seed=13, num_inference_steps=STEPS)
     why = describe(eng, res)
-    # the place tier (12 of 50) scaled to 32 steps: 8 (round(7.68)); the asked place, not the cached one, is checked
+    # the place tier (20 of 50) scaled to 32 steps: 13 (round(12.8)); the asked place, not the cached one, is checked
     # by the tier's certificate (background of the reuse against dense)
-    assert why.decision == "hit" and res.stats.resume_step == 8 and res.stats.source_id == first.stats.entry_id
-    assert why.headline.startswith(f"place of {first.stats.entry_id[:8]} (place grass -> snow): whole frame from step 8 of {STEPS}")
+    assert why.decision == "hit" and res.stats.resume_step == 13 and res.stats.source_id == first.stats.entry_id
+    assert why.headline.startswith(f"place of {first.stats.entry_id[:8]} (place grass -> snow): whole frame from step 13 of {STEPS}")
 
 
 def test_steps_are_dit_forwards_over_cfg_branches(stream):
