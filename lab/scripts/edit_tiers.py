@@ -82,7 +82,7 @@ def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path) -> di
         sources.append({"rows": Path(spec).name, "pairs": len(at), "reused": len(reused), "unsafe": bad})   # the file, not its folder
         used += reused
     of = int(used[0]["num_steps"]) if used else 50
-    bad = sum(1 for r in used if not label.label(r))
+    bad = sum(s["unsafe"] for s in sources)
     bound = clopper_pearson_upper(bad, len(used), cfg.confidence) if used else None
     tier = {"kind": kind, "step": step, "of": of, "scope": next((r["scope"] for r in used if r.get("scope")), "frame"),
             "pairs": sum(s["pairs"] for s in sources), "accepted": len(used), "unsafe": bad, "bound": bound,

@@ -678,8 +678,9 @@ def _run_scale(cfg: ScaleConfig, spec: ScaleSpec, frames: int, out: Path, progre
 
     d0 = cfg.densities[0]
     tiers = []
-    for f in cfg.frame_steps:  # frame tiers: the source's latent at f - 1 and its masks, nothing else
+    if cfg.frame_steps:  # one set of masks serves every frame tier's entry
         masks = synthetic_masks(heads, n_tok, cfg.block, d0, steps=range(0, steps, cfg.mask_stride), layers=range(L), seed=2, device=dev)
+    for f in cfg.frame_steps:  # frame tiers: the source's latent at f - 1 and its masks, nothing else
         if prev is not None:
             eng.store.evict([prev])
         prev = eng.store.admit(StoreSpec(tenant="default", compat_key=eng.compat_key(req, "carnator"), prompt=PROMPT_SOURCE, seed=0,
