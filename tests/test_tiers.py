@@ -90,6 +90,45 @@ def test_an_edits_rule_reads_the_attribute_it_asks_and_the_noise_floor_is_dense_
     assert noise_floor(rows, base)["colour"]["fails"] == 0
 
 
+def test_the_excess_risk_counts_a_failure_only_where_another_dense_sample_passes():
+    from carnator.calibrate.run import label
+    from carnator.errors import CarnatorError
+    from carnator.judges import QualityRule, get_judge
+
+    rule = QualityRule.for_judge(get_judge("shapes"), fidelity=0.25, artifact=0.1, shape=0.05)
+    good = {"fidelity": 1.0, "artifact": 0.01, "shape": 1.0}
+    lost = {"fidelity": 0.8, "artifact": 0.01, "shape": 0.0}   # the asked shape missing: shape loses 1, beyond 0.05
+
+    def row(reuse, other):
+        return {"i": 0, "dense": good, "reuse": reuse, **({"dense_other": other} if other is not None else {})}
+
+    # (reuse, another dense sample) -> (pair label, excess label)
+    assert (label(row(good, lost), rule), label(row(good, lost), rule, "excess")) == (True, True)
+    assert (label(row(lost, good), rule), label(row(lost, good), rule, "excess")) == (False, False)
+    # the reuse fails as a fresh sample of the same request does: unsafe for the pair, not in excess of sampling
+    assert (label(row(lost, lost), rule), label(row(lost, lost), rule, "excess")) == (False, True)
+    # an excess label needs the other sample; a passing reuse does not
+    assert label(row(good, None), rule, "excess") is True
+    with pytest.raises(CarnatorError, match="--noise-floor"):
+        label(row(lost, None), rule, "excess")
+    with pytest.raises(CarnatorError, match="risk must be one of pair, excess"):
+        label(row(good, good), rule, "relative")
+
+
+def test_calibrate_refuses_the_excess_risk_without_tiers_or_another_sample(tmp_path, capsys):
+    from carnator.cli import main
+
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text("".join('{"kind": "object", "source": "a red ball on grass", "source_seed": 1, '
+                             f'"target": "a red box on grass", "target_seed": {k}}}\n' for k in range(4)))
+    base = ["calibrate", "--pairs-file", str(pairs), "--pairs", "4", "--risk", "excess", "--out", str(tmp_path / "o")]
+    assert main(base + ["--resume-step", "5"]) == 2
+    assert "carnator: error: --risk excess certifies risk tiers" in capsys.readouterr().err
+    assert main(base + ["--resume-step", "5,12"]) == 2
+    assert "add --noise-floor" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()   # refused before anything ran
+
+
 def test_tiers_round_trip_through_a_thresholds_file_and_scale_to_the_schedule(tmp_path):
     tiers = (Tier("re-roll", 45, 50, scope="frame", pairs=120, accepted=120, bound=0.019, certified=True),
              Tier("colour", 5, 50, pairs=56, accepted=56, bound=0.04, certified=True))

@@ -53,25 +53,27 @@ case $mode in
     wait
     for r in ${STEPS:-40 45}; do tail -3 /tmp/tier$r.log; keep /tmp/tier$r tier$r; done ;;
   edits)
-    # [STEPS=2,5,12] [SCOPE=frame] [PAIRS=600] [NOISE=1]: edit tiers (lab/scripts/edit_tiers.py draw -> .cache/dev/edit-pairs.jsonl):
-    # each pair's target reused from every step of STEPS (and, NOISE=1, generated densely at another seed: the rule's
-    # noise floor), one calibrate run; each edit kind judged by the rule plus the attribute it asks (TIER_RULES); the
-    # tiers it certifies in OUT/edits/thresholds.json
-    pf=${PAIRS_FILE:-.cache/dev/edit-pairs.jsonl}; n=${PAIRS:-$(wc -l < $pf)}
+    # [STEPS=2,5,12] [SCOPE=frame] [PAIRS=600] [NOISE=1] [RISK=pair|excess] [NAME=edits]: edit tiers (lab/scripts/edit_tiers.py
+    # draw -> .cache/dev/edit-pairs.jsonl): each pair's target reused from every step of STEPS (and, NOISE=1, generated densely
+    # at another seed: the rule's noise floor), one calibrate run; each edit kind judged by the rule plus the attribute it
+    # asks (TIER_RULES), each row labelled as `calibrate --risk RISK` labels it; the tiers it certifies in OUT/NAME/thresholds.json.
+    # Two runs side by side: NAME=a ... & NAME=b ... & wait (each its own /tmp/NAME)
+    nm=${NAME:-edits}; pf=${PAIRS_FILE:-.cache/dev/edit-pairs.jsonl}; n=${PAIRS:-$(wc -l < $pf)}
     tq="--tier-quality colour:color=0.05 --tier-quality object:shape=0.05 --tier-quality size:size=0.05 --tier-quality motion:motion=0.05 --tier-quality place:background=0.05"
     tq=${TIER_RULES:-$tq}
     # RESUME=DIR: the rows (pairs.jsonl, pairs.meta.json) of an earlier call of the same run, continued here
-    [ -n "${RESUME:-}" ] && mkdir -p /tmp/edits && cp "$RESUME"/pairs.jsonl "$RESUME"/pairs.meta.json /tmp/edits/
+    [ -n "${RESUME:-}" ] && mkdir -p /tmp/$nm && cp "$RESUME"/pairs.jsonl "$RESUME"/pairs.meta.json /tmp/$nm/
     timeout -k 10 "$budget" python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate \
       --pairs-file $pf --pairs "$n" --judge shapes --quality fidelity=0.25 --quality artifact=0.1 $tq $([ "${NOISE:-1}" = 1 ] && echo --noise-floor) \
-      --device cuda --cuda-graphs --jobs ${JOBS:-14} --resume-step ${STEPS:-2,5,12} --tier-scope ${SCOPE:-frame} --cache-dir /tmp/edits-cache --out /tmp/edits \
-      > /tmp/edits.log 2>&1
-    pkill -f "carnator.cli" ; sleep 2; tail -3 /tmp/edits.log; keep /tmp/edits edits
-    gunzip -c "$out/edits/pairs.jsonl.gz" > /tmp/edits/pairs.jsonl   # whole lines only
+      --risk ${RISK:-pair} --device cuda --cuda-graphs --jobs ${JOBS:-14} --resume-step ${STEPS:-2,5,12} --tier-scope ${SCOPE:-frame} \
+      --cache-dir /tmp/$nm-cache --out /tmp/$nm > /tmp/$nm.log 2>&1
+    pkill -f "out /tmp/$nm\b" ; sleep 2; tail -3 /tmp/$nm.log; keep /tmp/$nm $nm
+    gunzip -c "$out/$nm/pairs.jsonl.gz" > /tmp/$nm/pairs.jsonl   # whole lines only
     # the selection and certification over what finished (a cut run has no thresholds.json yet)
     timeout 60 python3 -c "import sys; from carnator.cli import main; sys.exit(main(sys.argv[1:]))" calibrate --select-only \
-      --judge shapes --quality fidelity=0.25 --quality artifact=0.1 $tq --resume-step ${STEPS:-2,5,12} --out /tmp/edits > /tmp/edits-select.log 2>&1
-    tail -5 /tmp/edits-select.log; cp /tmp/edits/*.json "$out/edits/" 2>/dev/null ;;
+      --judge shapes --quality fidelity=0.25 --quality artifact=0.1 $tq --risk ${RISK:-pair} --resume-step ${STEPS:-2,5,12} \
+      --tier-scope ${SCOPE:-frame} --out /tmp/$nm > /tmp/$nm-select.log 2>&1
+    tail -5 /tmp/$nm-select.log; cp /tmp/$nm/*.json "$out/$nm/" 2>/dev/null ;;
   scale)
     python3 -m carnator_lab bench-scale wan2.1-1.3b --frames ${FRAMES:-81} --active-fraction 1.0 --densities 0.5 --no-kernels \
       --frame-steps ${FRAME_STEPS:-45,12,5} --baselines nirvana --out "$out/scale" 2>&1 | grep --line-buffered -v -E "Warning|warn\(" | tail -30 ;;

@@ -15,7 +15,7 @@ certified at step 45 (re-roll, rewording: ``meta.resume.at_45`` of the current s
 shipped file already certifies are kept; a kind in both takes the new one.
 
     python3 lab/scripts/edit_tiers.py draw --out .cache/dev/edit-pairs.jsonl --per-kind 80
-    python3 lab/scripts/edit_tiers.py certify --kind size --step 5 --rows H200.jsonl.gz:cert --rows NEW.jsonl --out T.json
+    python3 lab/scripts/edit_tiers.py certify --kind size --step 5 --rows H200.jsonl.gz:cert --rows NEW.jsonl --out T.json [--risk excess]
     python3 lab/scripts/edit_tiers.py write --tiers OUT/thresholds.json --into src/carnator/embedded/thresholds.json
 """
 
@@ -61,9 +61,11 @@ def _rows(spec: str) -> tuple[list[dict], bool]:
         return [json.loads(line) for line in f if line.strip()], part == "cert"
 
 
-def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path) -> dict:
-    """``kind``'s tier at ``step`` certified on the pooled certification rows of ``specs`` (see the module's doc)."""
+def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path, risk: str = "pair") -> dict:
+    """``kind``'s tier at ``step`` certified on the pooled certification rows of ``specs`` (see the module's doc),
+    each row labelled as ``carnator calibrate --risk RISK`` labels it."""
     from carnator.calibrate.certify import CalibrationConfig, clopper_pearson_upper, split_pairs
+    from carnator.calibrate.run import label as label_row
     from carnator.judges import QualityRule
 
     cfg, label = CalibrationConfig(), QualityRule.from_dict(rule)
@@ -78,7 +80,7 @@ def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path) -> di
             keep = {ids[j] for j in split_pairs(len(ids), cfg)[1]}   # as certify_tiers split this run's pairs
         at = [r for r in mine if int(r["i"]) in keep and int(r["resume_step"]) == step]
         reused = [r for r in at if r["hit"]]
-        bad = sum(1 for r in reused if not label.label(r))
+        bad = sum(1 for r in reused if not label_row(r, label, risk))
         sources.append({"rows": Path(spec).name, "pairs": len(at), "reused": len(reused), "unsafe": bad})   # the file, not its folder
         used += reused
     of = int(used[0]["num_steps"]) if used else 50
@@ -86,7 +88,7 @@ def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path) -> di
     bound = clopper_pearson_upper(bad, len(used), cfg.confidence) if used else None
     tier = {"kind": kind, "step": step, "of": of, "scope": next((r["scope"] for r in used if r.get("scope")), "frame"),
             "pairs": sum(s["pairs"] for s in sources), "accepted": len(used), "unsafe": bad, "bound": bound,
-            "certified": bool(bound is not None and bound <= cfg.delta), "rule": rule, "certified_on": sources}
+            "certified": bool(bound is not None and bound <= cfg.delta), "rule": rule, "risk": risk, "certified_on": sources}
     doc = {"thresholds": {"tiers": {kind: tier}}, "meta": {"tiers": {kind: tier}}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
@@ -134,6 +136,7 @@ def main() -> None:
     c.add_argument("--rows", action="append", required=True, help="PATH (every pair) or PATH:cert (its certification split)")
     c.add_argument("--rule", default='{"deltas": {"fidelity": 0.25, "artifact": 0.1, "size": 0.05}, '
                    '"directions": {"fidelity": 1, "artifact": -1, "size": 1}}', help="the kind's QualityRule as JSON")
+    c.add_argument("--risk", choices=["pair", "excess"], default="pair", help="as carnator calibrate --risk")
     c.add_argument("--out", type=Path, required=True)
     w = sub.add_parser("write")
     w.add_argument("--tiers", type=Path, required=True)
@@ -142,7 +145,7 @@ def main() -> None:
     if a.cmd == "draw":
         print(draw(a.out, a.per_kind, a.seed))
     elif a.cmd == "certify":
-        print(json.dumps(certify(a.kind, a.step, a.rows, json.loads(a.rule), a.out), indent=1))
+        print(json.dumps(certify(a.kind, a.step, a.rows, json.loads(a.rule), a.out, a.risk), indent=1))
     else:
         print(json.dumps(write(a.tiers, a.into), indent=1))
 

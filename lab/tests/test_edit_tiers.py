@@ -73,3 +73,16 @@ def test_write_keeps_the_shipped_edit_tiers_and_adds_a_certified_one(tmp_path):
     et.certify("size", 5, [str(tmp_path / "r.jsonl")], RULE, tmp_path / "t2.json")
     shutil.copy(ROOT / "src" / "carnator" / "embedded" / "thresholds.json", shipped)
     assert "size" not in et.write(tmp_path / "t2.json", shipped) or before.get("size")
+
+
+def test_certify_under_the_excess_risk_counts_only_failures_a_fresh_sample_does_not_share(tmp_path):
+    et = _script()
+    # 10 size pairs at step 5: pairs 1-3 lose the size; pairs 2 and 3's other dense sample loses it too
+    rows = [_row(i, 5, True, 0.0 if i in (1, 2, 3) else 1.0) for i in range(10)]
+    for r in rows:
+        r["dense_other"] = {**r["dense"], "size": 0.0 if r["i"] in (2, 3, 7) else 1.0}
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pair = et.certify("size", 5, [str(tmp_path / "r.jsonl")], RULE, tmp_path / "p.json")
+    excess = et.certify("size", 5, [str(tmp_path / "r.jsonl")], RULE, tmp_path / "e.json", risk="excess")
+    assert (pair["unsafe"], pair["risk"]) == (3, "pair") and (excess["unsafe"], excess["risk"]) == (1, "excess")
+    assert excess["bound"] == clopper_pearson_upper(1, 10, 0.9)

@@ -350,6 +350,11 @@ def cmd_calibrate(args) -> int:
     if not args.select_only and (args.prompts is None) == (args.pairs_file is None):
         raise CarnatorError("give the requests to calibrate on: --prompts FILE (a prompt log, paired as recall pairs them) "
                             "or --pairs-file FILE (or --select-only to reuse the pairs already in --out)")
+    if args.risk == "excess":   # checked before any worker starts (run_calibration checks the same)
+        if len(args.resume_step or ()) < 2 and not args.tier_quality and args.tier_scope == "auto":
+            raise CarnatorError("--risk excess certifies risk tiers: give several --resume-step values, --tier-scope or --tier-quality")
+        if not args.select_only and not args.noise_floor:
+            raise CarnatorError("--risk excess compares each reuse with another dense sample of its request: add --noise-floor")
     judge = _judge(args)
     rule = _quality_rule(args, judge)
     if args.jobs > 1 and args.shard is None and not args.select_only:
@@ -375,7 +380,7 @@ def cmd_calibrate(args) -> int:
                               cfg=CalibrationConfig(delta=args.delta, confidence=args.confidence, text=args.text_threshold,
                                                     selection_confidence=args.selection_confidence, rule=args.rule),
                               resume_step=args.resume_step, shard=args.shard, tier_scope=args.tier_scope,
-                              tier_rules=_tier_rules(args, judge, rule), noise_floor=args.noise_floor)
+                              tier_rules=_tier_rules(args, judge, rule), noise_floor=args.noise_floor, risk=args.risk)
     if summary is not None:
         print(json.dumps(summary, indent=1, default=str))
     return 0
@@ -789,6 +794,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--noise-floor", action="store_true",
                    help="also generate each target densely at another seed and report how often the rule fails it against "
                         "dense, per kind (the summary's noise_floor: what a reuse that is merely another sample scores)")
+    k.add_argument("--risk", choices=["pair", "excess"], default="pair",
+                   help="risk tiers: what counts as unsafe. pair (default): the reuse fails the rule against the dense run "
+                        "of its request; excess: it fails and another dense sample of the request passes (needs "
+                        "--noise-floor): the certificate then bounds how much more often a reuse fails than a fresh sample")
     k.add_argument("--delta", type=float, default=0.05, help="tolerated unsafe rate (paper 5%%)")
     k.add_argument("--confidence", type=float, default=0.90)
     k.add_argument("--selection-confidence", type=_selection_confidence, default=None, metavar="C|point",

@@ -34,6 +34,28 @@ Pair = tuple[str, str, int, str, int]
 
 #: ``noise_floor``'s other sample of a target: its seed plus this
 NOISE_SEED_OFFSET = 100_003
+#: what a calibration reuse's label compares: ``pair`` the rule against the dense run of its request; ``excess`` the same,
+#: and a failure counts only when another dense sample of the request passes the rule (:func:`label`)
+RISKS = ("pair", "excess")
+
+
+def label(row: Mapping[str, Any], rule: QualityRule, risk: str = "pair") -> bool:
+    """A calibration row's label (acceptable) under ``rule``. ``risk="pair"``: the rule on the reuse against the dense
+    run of the same request. ``risk="excess"``: a reuse that fails it is still acceptable when another dense sample of
+    the request (``dense_other``, :data:`NOISE_SEED_OFFSET`) fails it too. The unsafe share is then P(reuse fails and a
+    fresh sample passes) >= P(reuse fails) - P(fresh sample fails), so its certified bound also bounds how much more
+    often a reuse fails the rule than a fresh dense sample of the request does (the rule's sampling noise, which a
+    pair label counts as unsafe, cancels)."""
+    if risk not in RISKS:
+        raise CarnatorError(f"risk must be one of {', '.join(RISKS)}, got {risk!r}")
+    ok = rule.label(row)
+    if ok or risk == "pair":
+        return ok
+    other = row.get("dense_other")
+    if other is None:
+        raise CarnatorError(f"pair {row.get('i')} has no other dense sample (dense_other): the excess risk needs rows "
+                            "generated with --noise-floor")
+    return not rule.acceptable(other, row["dense"])
 
 
 def calibration_pair(row: dict, acceptable: bool | None = None) -> CalibrationPair:
@@ -114,7 +136,8 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
                     source: Mapping | None = None, steps: int | None = None, settings: Mapping | None = None,
                     cfg: CalibrationConfig = CalibrationConfig(), resume_step: int | Sequence[int] | None = None,
                     progress=print, shard: tuple[int, int] | None = None, tier_scope: str = "auto",
-                    tier_rules: Mapping[str, QualityRule] | None = None, noise_floor: bool = False) -> dict | None:
+                    tier_rules: Mapping[str, QualityRule] | None = None, noise_floor: bool = False,
+                    risk: str = "pair") -> dict | None:
     """Generate and judge the ``pairs`` not yet in ``out_dir/pairs.jsonl``, then select and certify thresholds and write
     them (thresholds.json, calibration.json); returns the summary. ``pairs=None`` (``--select-only``) generates nothing:
     it selects and certifies from every pair already there, e.g. under another rule. ``source``: how the pairs were
@@ -133,7 +156,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     ``noise_floor``: each pair's target is also generated densely at another seed (:data:`NOISE_SEED_OFFSET` added) and
     judged (``dense_other``): how often the rule fails dense against dense, per kind, is the summary's ``noise_floor``
     - the unsafe share a reuse shows when it is merely another sample of the target, which the certificate cannot
-    get below."""
+    get below. ``risk``: how a row is labelled (:func:`label`); "excess" (tiers only) needs ``noise_floor``'s samples."""
     from ..policies.carnator import DEFAULT_RESUME_STEP, CarnatorConfig, CarnatorPolicy
 
     log_path = out_dir / "pairs.jsonl"
@@ -142,6 +165,9 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
 
     def rule_for(row: Mapping) -> QualityRule:
         return tier_rules.get(str(row.get("change")), rule)
+
+    def label_of(row: Mapping) -> bool:
+        return label(row, rule_for(row), risk)
 
     if not generate and not (log_path.exists() and log_path.stat().st_size > 0):
         raise CarnatorError(f"{out_dir} holds no pairs to select from (pairs.jsonl); run without --select-only first")
@@ -152,6 +178,12 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     at_steps = sorted({int(r) for r in resume_step})
     # Tiers: several steps, or a kind's own rule or a tier scope asked for (one step then certifies one tier per kind)
     tiered = len(at_steps) > 1 or bool(tier_rules) or tier_scope != "auto"
+    if risk not in RISKS:
+        raise CarnatorError(f"risk must be one of {', '.join(RISKS)}, got {risk!r}")
+    if risk == "excess" and not tiered:
+        raise CarnatorError("--risk excess certifies risk tiers: give several --resume-step values, --tier-scope or --tier-quality")
+    if risk == "excess" and generate and not noise_floor:
+        raise CarnatorError("--risk excess compares each reuse with another dense sample of its request: add --noise-floor")
     # Forced reuse: thresholds that accept every pair (with tiers, a tier open for every kind of change, so that the
     # reuse is decided and planned as a served one is; its resume step is the run's, not the nominal 1 of 2).
     open_tau = out_dir / "open_thresholds.json"
@@ -200,7 +232,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     if log_path.exists():
         for line in log_path.read_text().splitlines():
             r = json.loads(line)
-            r["acceptable"] = rule_for(r).label(r)   # this run's rule: a run resumed with other deltas relabels
+            r["acceptable"] = label_of(r)   # this run's rule: a run resumed with other deltas relabels
             done[_row_key(r, tiered)] = r
     kw = {"num_inference_steps": steps, **dict(settings or {})}
     pairs = pairs or ()
@@ -258,7 +290,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
                 src_meta = engine.store.get(reuse.stats.source_id) if reuse.stats.hit and reuse.stats.source_id else None
                 row["signatures"] = {"query": reuse.stats.notes.get("signature"),
                                      "source": None if src_meta is None else src_meta.extra.get("signature")}
-                row["acceptable"] = rule_for(row).label(row)
+                row["acceptable"] = label_of(row)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 done[_row_key(row, tiered)] = row
@@ -276,7 +308,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     if shard is not None:
         return None
     if tiered:
-        return _write_tiers(engine, out_dir, done.values(), cfg, rule, judge, reading, drawn, tier_rules)
+        return _write_tiers(engine, out_dir, done.values(), cfg, rule, judge, reading, drawn, tier_rules, risk)
     rows = reused_rows(done.values())
     if any("text" not in r["d"] for r in rows):
         backfill_text(rows, engine.embedder)
@@ -323,7 +355,7 @@ def noise_floor(rows, rule: QualityRule, tier_rules: Mapping[str, QualityRule] |
 
 
 def _write_tiers(engine, out_dir: Path, rows, cfg: CalibrationConfig, rule: QualityRule, judge: Judge, reading, drawn,
-                 tier_rules: Mapping[str, QualityRule] | None = None) -> dict:
+                 tier_rules: Mapping[str, QualityRule] | None = None, risk: str = "pair") -> dict:
     """Certify one tier per kind of change from rows of several resume steps and write the thresholds file: the
     certified tiers, and thresholds that read no signature (a tier's kind is read from the two prompts)."""
     rows = sorted(rows, key=lambda r: (r["i"], r["resume_step"]))
@@ -331,15 +363,17 @@ def _write_tiers(engine, out_dir: Path, rows, cfg: CalibrationConfig, rule: Qual
     for kind, own in (tier_rules or {}).items():   # the rule each kind was labelled by
         if kind in table:
             table[kind]["rule"] = own.to_dict()
+    for t in table.values():
+        t["risk"] = risk
     tiers = tuple(Tier.from_dict(t) for t in table.values() if t.get("certified"))
     tau = Thresholds(math.inf, math.inf, math.inf, math.inf, tiers=tiers)
     tau_path = out_dir / "thresholds.json"
     tau.save(tau_path, model_id=engine.model_identity, reading=reading,
-             meta={"certified": bool(tiers), "tiers": table, "rule": rule.to_dict(), "judge": judge.identity,
+             meta={"certified": bool(tiers), "tiers": table, "rule": rule.to_dict(), "risk": risk, "judge": judge.identity,
                    "delta": cfg.delta, "confidence": cfg.confidence, "selection_confidence": cfg.selection_confidence,
                    "certification_split": {"selection_fraction": cfg.selection_fraction, "split_seed": cfg.split_seed}})
     floor = noise_floor(rows, rule, tier_rules)
-    summary = {"pairs": len({r["i"] for r in rows}), **drawn, "rows": len(rows), "rule": rule.to_dict(), "tiers": table,
+    summary = {"pairs": len({r["i"] for r in rows}), **drawn, "rows": len(rows), "rule": rule.to_dict(), "risk": risk, "tiers": table,
                **({"noise_floor": floor} if floor else {}),
                "thresholds_file": str(tau_path), "seconds_per_pair": seconds_per_pair(rows)}
     (out_dir / "calibration.json").write_text(json.dumps(summary, indent=1, default=str))
