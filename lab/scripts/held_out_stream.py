@@ -24,6 +24,11 @@ Variants (``--variants``, comma-separated):
   sync      ``default`` with ``write_behind`` off
   content45 the default before risk tiers (lab/notebook/thresholds-embedded-content45.json: same content only, step 45)
   nirvana   the NIRVANA baseline (its entries are filled into the same warm cache beside carnator's)
+  resample  dense at another seed of each request (seed + calibrate's NOISE_SEED_OFFSET): a hit is unsafe in excess
+            when it fails the rule against dense and this sample passes (``calibrate --risk excess``'s label)
+
+Every variant's hits are also judged by their kind's own rule (an edit's asked attribute within 0.05, as the edit tiers
+are calibrated), the summary's ``unsafe_hits_kind_rule`` (and ``unsafe_hits_excess`` with ``resample``).
 
     python3 lab/scripts/held_out_stream.py --out DIR [--warm 1000 --test 300 --jobs 12 --variants content,gate,fast]
 """
@@ -110,9 +115,13 @@ def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.in
     from carnator.judges import get_judge
     from carnator.signature.content import change_kind
 
+    from carnator.calibrate.run import NOISE_SEED_OFFSET
+
     trace = Trace.load(trace_path)
     if name in ("dense", "nirvana"):
         eng, policy = engine(cache, device), name
+    elif name == "resample":
+        eng, policy = engine(cache, device), "dense"
     else:
         ecfg, pcfg = VARIANTS[name]
         pcfg = dict(pcfg)
@@ -126,7 +135,8 @@ def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.in
         for i, r in enumerate(trace.test):
             if time.time() > deadline:
                 break   # a cut run still has every variant's rows for a prefix of the same test order
-            res = eng.generate(r.prompt, seed=r.seed, policy=policy, store=name != "dense")
+            seed = r.seed + NOISE_SEED_OFFSET if name == "resample" else r.seed
+            res = eng.generate(r.prompt, seed=seed, policy=policy, store=name not in ("dense", "resample"))
             s = res.stats
             row = {"policy": name, "i": i, "kind": r.kind, "hit": bool(s.hit), "exact": bool(s.exact_hit),
                    "e2e": s.timings["total"], "dit": s.timings.get("dit", 0.0),
@@ -150,28 +160,53 @@ def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.in
     eng.flush()
 
 
+#: the attribute each edit kind asks for: its own rule is the stream's rule with that score within 0.05 (as the edit
+#: tiers are calibrated: ``--tier-quality colour:color=0.05`` ...)
+KIND_SCORE = {"colour": "color", "object": "shape", "size": "size", "motion": "motion", "place": "background"}
+
+
+def kind_rules(rule) -> dict:
+    from carnator.judges import QualityRule
+
+    return {k: QualityRule({**rule.deltas, sc: 0.05}, {**rule.directions, sc: 1}) for k, sc in KIND_SCORE.items()}
+
+
 def summarize(rows, names, rule):
     dense = {r["i"]: r for r in rows if r["policy"] == "dense"}
+    other = {r["i"]: r for r in rows if r["policy"] == "resample"}
+    own = kind_rules(rule)
+
+    def fails(r, by_kind=False):
+        return not (own.get(str(r.get("change")), rule) if by_kind else rule).acceptable(r, dense[r["i"]])
+
+    def fails_excess(r):   # fails its kind's rule where another dense sample of the request passes it
+        return fails(r, True) and r["i"] in other and not fails(other[r["i"]], True)
+
     out = {}
     for name in names:
         rs = [r for r in rows if r["policy"] == name and r["i"] in dense]
         if not rs:
             continue
         hits = [r for r in rs if r["hit"]]
-        unsafe = [r for r in hits if not rule.acceptable(r, dense[r["i"]])]
+        unsafe = [r for r in hits if fails(r)]
         by = {}
         for key in ("kind", "change"):
             t = {}
             for r in rs:
                 k = str(r.get(key))
-                e = t.setdefault(k, {"requests": 0, "hits": 0, "unsafe": 0})
+                e = t.setdefault(k, {"requests": 0, "hits": 0, "unsafe": 0, "unsafe_kind_rule": 0})
                 e["requests"] += 1
                 e["hits"] += int(r["hit"])
-                e["unsafe"] += int(r["hit"] and not rule.acceptable(r, dense[r["i"]]))
+                e["unsafe"] += int(r["hit"] and fails(r))
+                e["unsafe_kind_rule"] += int(r["hit"] and fails(r, True))
+                if other:
+                    e["unsafe_excess"] = e.get("unsafe_excess", 0) + int(r["hit"] and fails_excess(r))
             by[key] = t
         sd = sum(dense[r["i"]]["e2e"] for r in rs)
         out[name] = {
             "requests": len(rs), "hit_rate": len(hits) / len(rs), "hits": len(hits), "unsafe_hits": len(unsafe),
+            "unsafe_hits_kind_rule": sum(fails(r, True) for r in hits),
+            **({"unsafe_hits_excess": sum(fails_excess(r) for r in hits)} if other else {}),
             "workload_e2e_speedup": sd / sum(r["e2e"] for r in rs),
             "workload_dit_speedup": sum(dense[r["i"]]["dit"] for r in rs) / max(sum(r["dit"] for r in rs), 1e-9),
             "hit_e2e_speedup": (sum(dense[r["i"]]["e2e"] for r in hits) / sum(r["e2e"] for r in hits)) if hits else None,
@@ -270,7 +305,8 @@ def main() -> None:
     summary = summarize(rows, names, rule)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     for name, m in summary.items():
-        print(f"{name:8s} n={m['requests']} hits={m['hits']} ({100 * m['hit_rate']:.0f}%) unsafe={m['unsafe_hits']} "
+        more = f"kind rule {m['unsafe_hits_kind_rule']}" + (f", excess {m['unsafe_hits_excess']}" if "unsafe_hits_excess" in m else "")
+        print(f"{name:8s} n={m['requests']} hits={m['hits']} ({100 * m['hit_rate']:.0f}%) unsafe={m['unsafe_hits']} ({more}) "
               f"workload x{m['workload_e2e_speedup']:.2f} hit x{(m['hit_e2e_speedup'] or 0):.2f} miss/dense {m['miss_e2e_over_dense']:.3f} "
               f"fid all {m['fidelity_all']:.3f} hits {m['fidelity_hits'] or 0:.3f} (dense {m['dense_fidelity_on_hits'] or 0:.3f})", flush=True)
 
