@@ -68,7 +68,7 @@ def test_a_colour_edit_misses_naming_its_kind_and_the_shipped_tiers(gated):
     assert why.tested_id in (first.stats.entry_id, reroll.stats.entry_id) and why.source_prompt == PROMPT
     assert why.reason.startswith(f"the nearest cached request, entry {why.tested_id[:8]} ({PROMPT!r}, seed ")
     assert " differs in color red -> blue: " in why.reason
-    assert why.reason.endswith("no certified tier reuses a colour change on this model (tiers: place, re-roll, rewording)")
+    assert why.reason.endswith("no certified tier reuses a colour change on this model (tiers: object, place, re-roll, rewording)")
 
 
 def test_a_place_edit_is_reused_by_its_tier_from_its_early_step(gated):

@@ -334,7 +334,7 @@ def test_a_miss_says_what_differs_and_cache_off_says_so(server, http):
     assert colour["stats"]["tier"] == "miss", colour["stats"]
     assert colour["stats"]["reason"] == (
         f"the nearest cached request, entry {entry[:8]} ('a big green box moving up on sand', seed 1), differs in "
-        "color green -> red: no certified tier reuses a colour change on this model (tiers: place, re-roll, rewording)"
+        "color green -> red: no certified tier reuses a colour change on this model (tiers: object, place, re-roll, rewording)"
     ), colour["stats"]["reason"]
     steps = wait(server, "key-bravo-0001", post(http, B, {**first, "seed": 2, "num_inference_steps": 6}).json()["id"])
     assert steps["stats"]["tier"] == "miss", steps["stats"]

@@ -256,3 +256,18 @@ def test_a_tier_calibration_reuses_from_steps_the_engines_own_tiers_do_not_keep(
     rows = [json.loads(line) for line in (tmp_path / "cal" / "pairs.jsonl").read_text().splitlines()]
     assert [(r["resume_step"], r["hit"]) for r in sorted(rows, key=lambda r: r["resume_step"])] == [(5, True), (7, True)]
     assert all("cannot serve" not in r["reason"] for r in rows)
+
+
+def test_an_object_edit_is_reused_by_the_shipped_object_tier_and_shows_the_asked_shape(tmp_path):
+    # the default engine and its shipped file (the admission gate on): the object tier (12 of 50, frame scope, certified
+    # in excess of a fresh sample) scaled to 20 steps resumes at 5 (round(4.8)) and recomputes every token from there
+    eng = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c", device="cpu", embedder=hashed_embedder(64))
+    tier = eng.policy("carnator").tiers["object"]
+    assert (tier.step, tier.of, tier.scope, tier.certified) == (12, 50, "frame", True)
+    a = eng.generate("a big red ball on grass", seed=1, num_inference_steps=N)
+    assert not a.stats.hit and _corner_fill(a.frames, "red") < 0.45   # a ball
+    box = eng.generate("a big red box on grass", seed=2, num_inference_steps=N, store=False)
+    assert box.stats.hit and box.stats.source_id == a.stats.entry_id and box.stats.resume_step == 5
+    assert box.stats.reason.startswith(f"object of {a.stats.entry_id[:8]} (object circle -> square): whole frame from step 5 of 20")
+    assert box.stats.dit_forwards == 2 * (N - 5)   # no probe: a frame tier reads none
+    assert _corner_fill(box.frames, "red") > 0.5   # a box, not the cached ball
