@@ -46,15 +46,17 @@ def test_the_arithmetic_of_a_disabled_tier():
     assert t["disabled_after"] == 2 and t["disabled"] and t["n"] == 5 and t["unsafe"] == 2
 
 
-def _loose_file(tmp_path, model_id_engine) -> str:
+def _loose_file(tmp_path, model_id_engine, colour_excess: bool = False) -> str:
     """The shipped thresholds plus frame tiers for re-rolls, rewordings and colour edits at step 45 of 50, judged by
-    the shapes judge's own rule (fidelity 0.1, artifact 0.02), confidence 99 %."""
+    the shapes judge's own rule (fidelity 0.1, artifact 0.02), confidence 99 %. ``colour_excess``: the colour tier
+    judged by the colour alone (within 0.05) and certified in excess of a fresh sample (``calibrate --risk excess``)."""
     doc = json.loads(SHIPPED_THRESHOLDS.read_text())
     tier = {"step": 45, "of": 50, "scope": "frame", "pairs": 120, "accepted": 120, "unsafe": 0, "bound": 0.019,
             "certified": True}
     doc["thresholds"]["tiers"] = {k: dict(tier) for k in ("re-roll", "rewording", "colour")}
     doc["meta"].update(rule={"deltas": dict(DEFAULT_DELTAS), "directions": dict(ShapesJudge.directions)},
                        judge=ShapesJudge().identity, delta=DELTA, confidence=CONF)
+    doc["meta"]["tiers"] = {"colour": {"rule": {"deltas": {"color": 0.05}, "directions": {"color": 1}}, "risk": "excess"}} if colour_excess else {}
     path = tmp_path / "loose.json"
     path.write_text(json.dumps(doc))
     return str(path)
@@ -147,6 +149,7 @@ def test_loose_colour_tier_is_audited_unsafe_and_disabled_after_the_predicted_ve
         assert {r["job_id"] for r in rows} == {a.id, b.id}
         assert all(r["kind"] == "colour" and (r["step"], r["of"]) == (45, 50) for r in rows)
         assert all(r["scores"]["reuse"]["fidelity"] < r["scores"]["dense"]["fidelity"] - 0.1 for r in rows)
+        assert not any("dense_other" in r["scores"] for r in rows)   # a per-pair tier: the dense run alone
         # disabled after exactly n verdicts: not after n - 1
         assert [r["disabled"] for r in rows] == [False, True]
         assert [r["n"] for r in rows] == [1, 2] and rows[1]["lower"] == pytest.approx(clopper_pearson_lower(2, 2, CONF))
@@ -186,6 +189,27 @@ def test_loose_colour_tier_is_audited_unsafe_and_disabled_after_the_predicted_ve
         assert main(["audit", "--store", pg_schema_url, "--thresholds", _loose_file(tmp_path, base_engine)]) == 0
     text = out.getvalue()
     assert "colour" in text and "DISABLED after verdict 2" in text and "confidence 0.99" in text, text
+
+
+def test_a_tier_certified_in_excess_of_a_fresh_sample_is_audited_against_one(tmp_path, base_engine, pg_schema_url):
+    svc, _ = _service(tmp_path, base_engine, pg_schema_url, _loose_file(tmp_path, base_engine, colour_excess=True))
+    svc.start()
+    try:
+        cert = svc.auditor.cert
+        assert (cert.risk_for("colour"), cert.risk_for("re-roll")) == ("excess", "pair")
+        _done(svc, _submit(svc, "a big red ball on grass", 1))
+        a = _done(svc, _submit(svc, "a big blue ball on grass", 2))
+        assert a.stats["tier"] == "reuse" and "colour" in a.stats["reason"], a.stats
+        _wait(lambda: len(svc.store.audit_verdicts()) == 1, what="the verdict")
+        (v,) = svc.store.audit_verdicts()
+        # resumed at step 45 of 50 the hit keeps the cached red: it fails the colour rule against its dense run. The
+        # tier counts a failure only where a fresh sample passes: another dense sample (another seed) was generated
+        # and shows the asked blue, so the failure is the reuse's own and the verdict is unsafe
+        sc = v["scores"]
+        assert sc["reuse"]["color"] < sc["dense"]["color"] - 0.05 and sc["dense_other"]["color"] >= sc["dense"]["color"] - 0.05
+        assert v["acceptable"] is False and (v["kind"], v["step"]) == ("colour", 45)
+    finally:
+        svc.stop()
 
 
 def test_shipped_thresholds_audited_hits_disable_nothing(tmp_path, base_engine, pg_schema_url):
