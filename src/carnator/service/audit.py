@@ -4,7 +4,8 @@ A thresholds file's certificate (docs/CALIBRATION.md) is computed offline on cal
 differ from them, and nothing would say so. ``carnator serve`` therefore re-runs a sample of its approximate hits
 (never exact hits: those are the request's own stored video) densely, with the same request and seed, on idle
 device time, judges the pair with the thresholds file's own judge and quality rule (as ``carnator calibrate`` labels
-its rows: the reuse's scores against the dense clip's, the dense clip the reference of both), and records the verdict
+its rows: the reuse's scores against the dense clip's, the dense clip the reference of both; a tier certified in excess
+of a fresh sample, ``calibrate --risk excess``, also against another dense sample where the hit fails), and records the verdict
 in the job store (:meth:`~carnator.service.jobs.SqlJobStore.record_audit`: SQLite beside the job table, or
 PostgreSQL, where every server sharing the job store counts towards one bound).
 
