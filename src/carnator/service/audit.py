@@ -52,7 +52,7 @@ from ..errors import Cancelled, CarnatorError
 from ..judges import Judge, QualityRule, get_judge
 from ..request import SEED_MAX, Params
 from ..calibrate.certify import clopper_pearson_lower, clopper_pearson_upper
-from ..calibrate.run import NOISE_SEED_OFFSET, RISKS
+from ..calibrate.run import NOISE_SEED_OFFSET, RISKS, label
 from ..reuse.compat import Thresholds
 
 log = logging.getLogger("carnator.service")
@@ -384,7 +384,8 @@ class Auditor:
             log.exception("the audit of job %s failed", p.job_id)
             self.counts["failed"] += 1
             return "failed"
-        ok = bool(rule.acceptable(jr, jd)) or (jo is not None and not rule.acceptable(jo, jd))
+        # labelled as calibration labels its rows (an excess tier's failing hit: against the fresh sample too)
+        ok = label({"reuse": jr, "dense": jd, "dense_other": jo}, rule, "excess" if jo is not None else "pair")
         seconds = self._spent(t0)
         verdict = {"job_id": p.job_id, "tenant": p.tenant, "thresholds": cert.identity, "kind": p.kind, "step": p.step,
                    "of": p.of, "acceptable": ok,
