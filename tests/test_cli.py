@@ -530,6 +530,13 @@ def test_cache_clear_asks_at_a_terminal(capsys, model_dir, tmp_path, cache, monk
     assert code == 0 and "cleared 1 entries" in out
 
 
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.slow
 def test_interrupt_and_bad_bytes_in_real_processes(tmp_path):
     """Ctrl-C while carnator starts (imports, model loading) ends with one line and status 130; a prompt of bytes that
@@ -540,11 +547,13 @@ def test_interrupt_and_bad_bytes_in_real_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CARNATOR_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "carnator.cli", "generate", "a red ball", "--device", "cpu", "--out", str(tmp_path / "v.gif")]
     for delay in (0.3, 1.0, 2.5):
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        # Ctrl-C delivered to the child as at a terminal: this process may by now ignore or block SIGINT (a library of an
+        # earlier test), and both are inherited, so the child would never see it
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
-        assert p.returncode == 130 and err == "carnator: interrupted\n" and out == "", (delay, p.returncode, err)
+        assert p.returncode == 130 and err == "carnator: interrupted\n" and out == "", (delay, p.returncode, err, out[-200:])
     p = subprocess.run([*map(os.fsencode, cmd[:4]), b"a red \xff ball", *map(os.fsencode, cmd[5:])],
                        capture_output=True, env=env, timeout=300, check=False)
     assert p.returncode == 2, p.stderr
