@@ -115,7 +115,7 @@ def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.in
     from carnator.judges import get_judge
     from carnator.signature.content import change_kind
 
-    from carnator.calibrate.run import NOISE_SEED_OFFSET
+    from carnator.calibrate.run import resample_seed
 
     trace = Trace.load(trace_path)
     if name in ("dense", "nirvana"):
@@ -135,7 +135,7 @@ def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.in
         for i, r in enumerate(trace.test):
             if time.time() > deadline:
                 break   # a cut run still has every variant's rows for a prefix of the same test order
-            seed = r.seed + NOISE_SEED_OFFSET if name == "resample" else r.seed
+            seed = resample_seed(r.seed) if name == "resample" else r.seed
             res = eng.generate(r.prompt, seed=seed, policy=policy, store=name not in ("dense", "resample"))
             s = res.stats
             row = {"policy": name, "i": i, "kind": r.kind, "hit": bool(s.hit), "exact": bool(s.exact_hit),

@@ -338,7 +338,7 @@ def _resume_steps(text: str) -> list[int]:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate.run import run_calibration
+    from .calibrate.run import risk_problem, run_calibration
     from .calibrate.certify import CalibrationConfig
 
     if args.pairs < 4:
@@ -350,11 +350,11 @@ def cmd_calibrate(args) -> int:
     if not args.select_only and (args.prompts is None) == (args.pairs_file is None):
         raise CarnatorError("give the requests to calibrate on: --prompts FILE (a prompt log, paired as recall pairs them) "
                             "or --pairs-file FILE (or --select-only to reuse the pairs already in --out)")
-    if args.risk == "excess":   # checked before any worker starts (run_calibration checks the same)
-        if len(args.resume_step or ()) < 2 and not args.tier_quality and args.tier_scope == "auto":
-            raise CarnatorError("--risk excess certifies risk tiers: give several --resume-step values, --tier-scope or --tier-quality")
-        if not args.select_only and not args.noise_floor:
-            raise CarnatorError("--risk excess compares each reuse with another dense sample of its request: add --noise-floor")
+    # checked before any worker starts (run_calibration checks the same)
+    tiered = len(args.resume_step or ()) > 1 or bool(args.tier_quality) or args.tier_scope != "auto"
+    problem = risk_problem(args.risk, tiered=tiered, generate=not args.select_only, noise_floor=args.noise_floor)
+    if problem:
+        raise CarnatorError(problem)
     judge = _judge(args)
     rule = _quality_rule(args, judge)
     if args.jobs > 1 and args.shard is None and not args.select_only:

@@ -39,6 +39,23 @@ NOISE_SEED_OFFSET = 100_003
 RISKS = ("pair", "excess")
 
 
+def resample_seed(seed: int) -> int:
+    """The seed of a request's other dense sample (``noise_floor``, the excess risk): ``seed`` plus
+    :data:`NOISE_SEED_OFFSET`, wrapped into the signed 64-bit seeds."""
+    return (seed + NOISE_SEED_OFFSET + 2**63) % 2**64 - 2**63
+
+
+def risk_problem(risk: str, *, tiered: bool, generate: bool, noise_floor: bool) -> str | None:
+    """Why ``risk`` cannot label this calibration run (None: it can)."""
+    if risk not in RISKS:
+        return f"risk must be one of {', '.join(RISKS)}, got {risk!r}"
+    if risk == "excess" and not tiered:
+        return "--risk excess certifies risk tiers: give several --resume-step values, --tier-scope or --tier-quality"
+    if risk == "excess" and generate and not noise_floor:
+        return "--risk excess compares each reuse with another dense sample of its request: add --noise-floor"
+    return None
+
+
 def label(row: Mapping[str, Any], rule: QualityRule, risk: str = "pair") -> bool:
     """A calibration row's label (acceptable) under ``rule``. ``risk="pair"``: the rule on the reuse against the dense
     run of the same request. ``risk="excess"``: a reuse that fails it is still acceptable when another dense sample of
@@ -178,12 +195,9 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     at_steps = sorted({int(r) for r in resume_step})
     # Tiers: several steps, or a kind's own rule or a tier scope asked for (one step then certifies one tier per kind)
     tiered = len(at_steps) > 1 or bool(tier_rules) or tier_scope != "auto"
-    if risk not in RISKS:
-        raise CarnatorError(f"risk must be one of {', '.join(RISKS)}, got {risk!r}")
-    if risk == "excess" and not tiered:
-        raise CarnatorError("--risk excess certifies risk tiers: give several --resume-step values, --tier-scope or --tier-quality")
-    if risk == "excess" and generate and not noise_floor:
-        raise CarnatorError("--risk excess compares each reuse with another dense sample of its request: add --noise-floor")
+    problem = risk_problem(risk, tiered=tiered, generate=generate, noise_floor=noise_floor)
+    if problem:
+        raise CarnatorError(problem)
     # Forced reuse: thresholds that accept every pair (with tiers, a tier open for every kind of change, so that the
     # reuse is decided and planned as a served one is; its resume step is the run's, not the nominal 1 of 2).
     open_tau = out_dir / "open_thresholds.json"
@@ -262,7 +276,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
             change = change_kind(tgt, src, engine.content(tgt), engine.content(src))
             other = None
             if noise_floor:  # another sample of the target, judged as a reuse would be
-                dense2 = engine.generate(tgt, seed=t_seed + NOISE_SEED_OFFSET, policy="dense", tenant=tenant, store=False, **kw)
+                dense2 = engine.generate(tgt, seed=resample_seed(t_seed), policy="dense", tenant=tenant, store=False, **kw)
                 other = judge.score(dense2.frames, tgt, reference=dense.frames)
             for r_step in at_steps:
                 if _row_key({"i": i, "resume_step": r_step}, tiered) in done:

@@ -50,9 +50,9 @@ import numpy as np
 
 from ..errors import Cancelled, CarnatorError
 from ..judges import Judge, QualityRule, get_judge
-from ..request import SEED_MAX, Params
+from ..request import Params
 from ..calibrate.certify import clopper_pearson_lower, clopper_pearson_upper
-from ..calibrate.run import NOISE_SEED_OFFSET, RISKS, label
+from ..calibrate.run import RISKS, label, resample_seed
 from ..reuse.compat import Thresholds
 
 log = logging.getLogger("carnator.service")
@@ -368,8 +368,7 @@ class Auditor:
             if cert.risk_for(p.kind) == "excess" and not rule.acceptable(jr, jd):
                 # the tier bounds failures in excess of a fresh sample (calibrate --risk excess): another dense sample
                 # of the request, judged against the same dense run; the hit is unsafe only where it passes
-                seed = p.params.seed + NOISE_SEED_OFFSET
-                other = dense_run(seed if seed <= SEED_MAX else seed - 2**64)   # (wrapped into the 64-bit seeds)
+                other = dense_run(resample_seed(p.params.seed))
                 jo = judge.score(other.frames, prompt, reference=dense.frames)
         except Cancelled:
             self._spent(t0)
