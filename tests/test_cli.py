@@ -537,6 +537,21 @@ def _default_sigint() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+def test_ctrl_c_inside_an_import_ends_at_once_and_elsewhere_unwinds(tmp_path):
+    """An extension that calls back into Python while it loads (triton's libtriton, imported by torch) aborts the
+    interpreter if a KeyboardInterrupt is raised there; the program's handler ends the process at once inside an import
+    and raises KeyboardInterrupt elsewhere, so that finally blocks run."""
+    (tmp_path / "slow_module.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                             "time.sleep(30)\nprint('the import went on')\n")
+    child = ("import os, signal, sys, time\nfrom carnator import cli\nsignal.signal(signal.SIGINT, cli._on_sigint)\n"
+             "try:\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
+             "    print('unwound')\nsys.path.insert(0, sys.argv[1])\ntry:\n    import slow_module\nfinally:\n"
+             "    print('finally ran')\n")
+    p = subprocess.run([sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                       preexec_fn=_default_sigint, check=False)
+    assert (p.returncode, p.stdout, p.stderr) == (130, "unwound\n", "carnator: interrupted\n")
+
+
 @pytest.mark.slow
 def test_interrupt_and_bad_bytes_in_real_processes(tmp_path):
     """Ctrl-C while carnator starts (imports, model loading) ends with one line and status 130; a prompt of bytes that

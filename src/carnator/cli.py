@@ -956,7 +956,32 @@ def cmd_serve(args) -> int:
     return serve(ServeConfig(**field_values(ServeConfig, args), engine_config=engine_config), verbose=args.verbose)
 
 
+def _in_an_import(frame: Any) -> bool:
+    """Whether Python code runs inside an import (a module's body or an extension's initialisation) at this frame."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C of the program. Inside an import it ends the process at once: an exception raised in an extension's
+    initialisation can abort the interpreter (triton's libtriton, a nanobind module imported by torch, calls back into
+    Python while it loads; a KeyboardInterrupt there is a C++ exception nothing catches: SIGABRT and a core). Elsewhere
+    it unwinds as KeyboardInterrupt, so that pools, files and connections are closed on the way out."""
+    if _in_an_import(frame):
+        print("carnator: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the program itself (the console script, python -m), not a caller's main([...])
+        import signal
+
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         return _main(argv)
     except KeyboardInterrupt:  # anywhere, start-up (imports, model loading) included: no traceback
