@@ -232,6 +232,25 @@ def test_recall_by_content_finds_what_the_nearest_miss(store):
     assert store.recall("t", "k", q, k=2, content_key="none such") == plain
 
 
+def test_recall_near_keys_adds_the_entries_one_edit_away_after_the_same_content(store):
+    """With ``near_keys`` (content keys one edit away), recall returns, after the nearest and the same-content entries,
+    the newest k entries admitted under any of those keys, best first by their own cosine; never one already returned,
+    nor another tenant's."""
+    near = store.admit(_spec((1.0, 0.1), content_key="other"))
+    same = store.admit(_spec((0.0, 1.0), content_key="c"))
+    e1 = store.admit(_spec((0.0, 1.0), content_key="e1"))           # cosine 0
+    e2 = store.admit(_spec((1.0, 1.0), content_key="e2"))           # cosine 0.7071
+    store.admit(_spec((1.0, 1.0), content_key="e2", tenant="u"))    # another tenant
+    e3 = store.admit(_spec((-1.0, 1.0), content_key="e1"))          # the newest under e1
+    q = np.array([1.0, 0.0])
+    found = store.recall("t", "k", q, k=1, content_key="c", near_keys=["e1", "e2", "nothing"])
+    assert [m.id for m, _ in found] == [near, same, e3]             # at most k = 1 more, the newest
+    # the nearest three (a tie at cosine 0 goes to the older, "same"), then e1 and e3 by cosine (e2 is among the nearest)
+    found = store.recall("t", "k", q, k=3, content_key="c", near_keys=["e1", "e2"])
+    assert [(m.id, round(s, 4)) for m, s in found] == [(near, 0.995), (e2, 0.7071), (same, 0.0), (e1, 0.0), (e3, -0.7071)]
+    assert store.recall("t", "k", q, k=3, near_keys=["other"]) == store.recall("t", "k", q, k=3)   # nothing new
+
+
 def test_same_content_reads_the_entries_that_ask_the_same_without_an_embedding(store):
     """The newest entries admitted under a content key, newest first, at most k; never another tenant's, another
     compatibility key's, or one without that content key; nothing for a key no entry has."""

@@ -271,3 +271,48 @@ def test_an_object_edit_is_reused_by_the_shipped_object_tier_and_shows_the_asked
     assert box.stats.reason.startswith(f"object of {a.stats.entry_id[:8]} (object circle -> square): whole frame from step 5 of 20")
     assert box.stats.dit_forwards == 2 * (N - 5)   # no probe: a frame tier reads none
     assert _corner_fill(box.frames, "red") > 0.5   # a box, not the cached ball
+
+
+def test_an_edit_finds_the_request_it_edits_by_content_among_nearer_sentences(tmp_path):
+    # top_k 1: the sentence search returns only the nearest cached request, another scene's (its box moves left: a
+    # motion change, no tier); the object edit's own source, one object change away, is found by content all the same
+    hashed = hashed_embedder(64)
+    prompts = ["a big red ball on grass", "a big red box moving left on grass", "a big red box on grass"]
+    e = hashed(prompts)
+    assert float(e[1] @ e[2]) > float(e[0] @ e[2])   # the other scene's sentence is the nearer
+
+    def engine(**opts):
+        cfg = EngineConfig(policy_options={"carnator": {"top_k": 1, **opts}})
+        return Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c", device="cpu", embedder=hashed, config=cfg)
+
+    eng = engine()
+    a = eng.generate(prompts[0], seed=1, num_inference_steps=N)
+    b = eng.generate(prompts[1], seed=3, num_inference_steps=N)
+    assert not a.stats.hit and not b.stats.hit
+    box = eng.generate(prompts[2], seed=2, num_inference_steps=N, store=False)
+    assert box.stats.hit and box.stats.source_id == a.stats.entry_id
+    assert box.stats.reason.startswith(f"object of {a.stats.entry_id[:8]} (object circle -> square)")
+    assert _corner_fill(box.frames, "red") > 0.5   # a box
+    # recall by sentence alone (content recall off) sees only the other scene: a miss naming its kind of change
+    alone = engine(content_recall=False).generate(prompts[2], seed=2, num_inference_steps=N, store=False)
+    assert not alone.stats.hit and "motion change" in alone.stats.reason
+
+
+def test_the_contents_one_edit_away_are_those_of_the_asked_kinds_only():
+    from carnator.embedded import HERE
+    from carnator.signature.content import LexiconContent, change_kind
+
+    read = LexiconContent.from_file(HERE / "lexicon.json")
+    c = read("a big red ball moves left on grass")
+    assert c == ["object:circle|size:big|color:red|motion:left", "place:grass"]
+    near = read.neighbours(c, ["object", "place"])
+    # 6 other shapes; 7 other places and none
+    assert len(near) == 6 + 8 and c not in near
+    assert ["object:square|size:big|color:red|motion:left", "place:grass"] in near
+    assert ["object:circle|size:big|color:red|motion:left", "place:snow"] in near
+    assert ["object:circle|size:big|color:red|motion:left"] in near
+    assert {change_kind("q", "s", n, c) for n in near} == {"object", "place"}
+    assert len(read.neighbours(c, ["colour"])) == 9 and read.neighbours(c, []) == []
+    two = read("a small blue star and a big red ball")
+    assert {change_kind("q", "s", n, two) for n in read.neighbours(two, ["size", "place"])} == {"size", "place"}
+    assert len(read.neighbours(two, ["size", "place"])) == 2 + 8   # each object's other size; a place added

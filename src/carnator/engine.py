@@ -434,7 +434,11 @@ class Carnator:
                 found = recall_content(self.store, req.tenant, rs.compat_key, by_content, pol.recall_k())
             else:
                 rs.embedding = self.embed(req.prompt)
-                found = recall(self.store, req.tenant, rs.compat_key, rs.embedding, pol.recall_k(), content_key=by_content)
+                kinds, neighbours = pol.recall_near(), getattr(self.content, "neighbours", None)
+                near = [] if not kinds or neighbours is None or by_content is None else \
+                    [k for k in (content_key(c) for c in neighbours(content, kinds)) if k is not None]
+                found = recall(self.store, req.tenant, rs.compat_key, rs.embedding, pol.recall_k(), content_key=by_content,
+                               near_keys=near)
             inputs = dataclasses.replace(inputs, candidates=found)
             rs.timed("recall", t0)
         rs.inputs = inputs

@@ -250,10 +250,13 @@ class MetaQueries:
         row = self._x(self._c(conn), sql + " ORDER BY seq DESC LIMIT 1", args).fetchone()
         return None if row is None else _to_meta(row)
 
-    def content_ids(self, conn: Any, tenant: str, compat_key: str, content_key: str, limit: int) -> list[str]:
-        """The newest ``limit`` entries of the scope admitted under ``content_key``, newest first."""
-        rows = self._x(conn, "SELECT id FROM entries WHERE tenant = ? AND compat_key = ? AND content_key = ? "
-                            "ORDER BY seq DESC LIMIT ?", (tenant, compat_key, content_key, int(limit)))
+    def content_ids(self, conn: Any, tenant: str, compat_key: str, content_keys: Sequence[str], limit: int) -> list[str]:
+        """The newest ``limit`` entries of the scope admitted under any of ``content_keys``, newest first."""
+        keys = sorted(set(content_keys))
+        if not keys or limit <= 0:
+            return []
+        rows = self._x(conn, "SELECT id FROM entries WHERE tenant = ? AND compat_key = ? AND content_key IN "
+                             f"({', '.join('?' * len(keys))}) ORDER BY seq DESC LIMIT ?", (tenant, compat_key, *keys, int(limit)))
         return [r[0] for r in rows]
 
     def exact_key_ids(self, conn: Any, tenant: str, exact_key: str, compat_key: str) -> list[str]:

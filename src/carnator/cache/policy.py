@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -181,9 +181,11 @@ class StorePolicy:
         return scope.index
 
     def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
-               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
+               content_key: str | None = None, near_keys: Sequence[str] = ()) -> list[tuple[EntryMeta, float]]:
         """The ``k`` entries of ``(tenant, compat_key)`` most cosine-similar to ``embedding``, best first; with
-        ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best first.
+        ``content_key``, then the newest ``k`` entries admitted under it that are not among them, best first; with
+        ``near_keys`` (the content keys one edit away), then the newest ``k`` entries admitted under any of them that are
+        not among those, best first.
 
         Ties are broken by admission order (older first). Entries of other tenants or compatibility keys are never
         returned. Raises :class:`CacheError` when ``embedding``'s size differs from the scope's. The process's index
@@ -201,9 +203,9 @@ class StorePolicy:
                 raise CacheError(dim_message(tenant, compat_key, dim, query.size))
             index = self._scope_index(conn, tenant, compat_key, dim)
             hits = index.search(query, k)
-            if content_key is not None:
+            for keys in ([content_key] if content_key is not None else [], near_keys):
                 seen = {h[0] for h in hits}
-                same = self._db.content_ids(conn, tenant, compat_key, content_key, k + len(hits))
+                same = self._db.content_ids(conn, tenant, compat_key, keys, k + len(hits))
                 hits += index.score([i for i in same if i not in seen][:k], query)
             metas = self._db.get_many(conn, [h[0] for h in hits])
         return [(metas[i], score) for i, score in hits if i in metas]
@@ -215,7 +217,7 @@ class StorePolicy:
         if k <= 0:
             return []
         with self._reading() as conn:
-            ids = self._db.content_ids(conn, tenant, compat_key, content_key, k)
+            ids = self._db.content_ids(conn, tenant, compat_key, [content_key], k)
             metas = self._db.get_many(conn, ids)
         return [metas[i] for i in ids if i in metas]
 

@@ -15,7 +15,7 @@ Rules every implementation keeps:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -62,10 +62,12 @@ class CacheStore(Protocol):
         """The entry admitted with ``exact_key`` in ``tenant`` (serves an exact hit), or None."""
 
     def recall(self, tenant: str, compat_key: str, embedding: np.ndarray, k: int = 10,
-               content_key: str | None = None) -> list[tuple[EntryMeta, float]]:
+               content_key: str | None = None, near_keys: Sequence[str] = ()) -> list[tuple[EntryMeta, float]]:
         """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding`` by cosine, nearest first; with
         ``content_key``, then the newest ``k`` entries admitted under that content key that are not among them (by
-        cosine, nearest first): a request that asks the same in other words finds them however far its sentence."""
+        cosine, nearest first): a request that asks the same in other words finds them however far its sentence; with
+        ``near_keys`` (content keys one edit away), then the newest ``k`` entries admitted under any of them that are not
+        among those (by cosine): an edit finds its source however far its sentence."""
 
     def same_content(self, tenant: str, compat_key: str, content_key: str, k: int = 10) -> list[EntryMeta]:
         """The newest ``k`` entries of ``(tenant, compat_key)`` admitted under ``content_key``, newest first: the only

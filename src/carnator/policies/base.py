@@ -67,6 +67,12 @@ class Policy(ABC):
         :meth:`recall_k` nearest (:meth:`~carnator.cache.CacheStore.recall`)."""
         return False
 
+    def recall_near(self) -> tuple[str, ...]:
+        """Kinds of change (:func:`~carnator.signature.content.change_kind`) whose sources recall also returns by
+        content: the entries one such change away from the request (when the model's content reader can name them),
+        beyond the :meth:`recall_k` nearest sentences. () (default): none."""
+        return ()
+
     def recall_by_sentence(self) -> bool:
         """Whether recall searches the recall embeddings (False: only the entries that ask what the request asks,
         :meth:`~carnator.cache.CacheStore.same_content`, when :meth:`recall_by_content`; no embedding is computed

@@ -53,6 +53,9 @@ class CarnatorConfig:
     content_recall: recall also returns the cached entries that ask what the request asks (the same content key,
         :func:`carnator.cache.keys.content_key`) beyond the ``top_k`` nearest sentences, when the thresholds read
         content: a rewording finds its source however far its sentence embedding lies (default on; not in the paper).
+        With edit tiers, also up to ``top_k`` entries one change of a tier's kind away (another object, another place:
+        what the content reader names, :meth:`~carnator.signature.content.LexiconContent.neighbours`), so an edit finds
+        the request it edits among many nearer sentences.
         Under a content-only file at content 0 (the embedded model's shipped one) those are the only candidates it can
         accept, so recall reads only them and computes no sentence embedding before the decision.
     tested: how many of the recalled candidates that pass the noun filter the compatibility test tries, in recall
@@ -242,6 +245,13 @@ class CarnatorPolicy(Policy):
     def edit_tiers(self) -> bool:
         """Whether a tier reuses a change of content (an edit), not only re-rolls and rewordings."""
         return any(k not in SAME_CONTENT_KINDS for k in self.tiers)
+
+    def recall_near(self) -> tuple[str, ...]:
+        # an edit tier's source is one change of its kind away: found by content however far its sentence lies
+        if not self.cfg.content_recall:
+            return ()
+        return tuple(sorted(k for k, t in self.tiers.items()
+                            if k not in SAME_CONTENT_KINDS and (k, t.step) not in self.disabled_tiers))
 
     def recall_by_sentence(self) -> bool:
         # A content-only rule that accepts only the same content (content 0, no text threshold) can reuse nothing a

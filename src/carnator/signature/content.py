@@ -67,6 +67,49 @@ class LexiconContent:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
         return cls(doc["vocabulary"], doc["phrases"])
 
+    def values(self, kind: str) -> list[str]:
+        """The canonical values the grammar has for ``kind`` ("object", "size", "color", "motion", "place"), sorted."""
+        return sorted({v for k, v in self.phrases.values() if k == kind})
+
+    def neighbours(self, content: Sequence[str], kinds: Iterable[str]) -> list[list[str]]:
+        """The contents one change of ``kinds`` away from ``content`` (the kinds of :func:`change_kind`: "object",
+        "colour", "size", "motion", "place"): one object's attribute set to another of the grammar's values, or the
+        place set to another, added or removed. A request's cached source under an edit tier asks one of these, however
+        far its sentence lies from the request's. Sorted contents, ``content`` itself not among them."""
+        fields = {k: f for f, k in _FIELD_KIND.items()}   # "colour" -> "color"
+        want = set(kinds)
+        base = sorted(content)
+        out: dict[str, list[str]] = {}
+
+        def add(items: list[str]) -> None:
+            c = sorted(items)
+            if c != base:
+                out.setdefault("\n".join(c), c)
+
+        for i, item in enumerate(base):
+            if item.startswith("place:"):
+                if "place" in want:
+                    rest = base[:i] + base[i + 1:]
+                    add(rest)
+                    for v in self.values("place"):
+                        add([*rest, f"place:{v}"])
+                continue
+            if not item.startswith("object:"):
+                continue
+            parts = _fields(item)
+            for kind in sorted(want - {"place"}):
+                field = fields.get(kind)
+                if field not in parts or field == "word":
+                    continue
+                for v in self.values(field):
+                    if v != parts[field]:
+                        new = "|".join(f"{f}:{v if f == field else parts[f]}" for f in parts)
+                        add(base[:i] + [new] + base[i + 1:])
+        if "place" in want and not any(i.startswith("place:") for i in base) and base:
+            for v in self.values("place"):
+                add([*base, f"place:{v}"])
+        return list(out.values())
+
     def _spans(self, words: list[str]):
         i = 0
         while i < len(words):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..cache.protocol import CacheStore
@@ -9,15 +11,18 @@ from ..plan import Candidate
 
 
 def recall(store: CacheStore, tenant: str, compat_key: str, embedding: np.ndarray, k: int,
-           content_key: str | None = None) -> tuple[Candidate, ...]:
+           content_key: str | None = None, near_keys: Sequence[str] = ()) -> tuple[Candidate, ...]:
     """The ``k`` entries of ``(tenant, compat_key)`` nearest ``embedding``, nearest first (none for ``k <= 0``); with
-    ``content_key``, then up to ``k`` more entries that ask the same (:meth:`CacheStore.recall`)."""
+    ``content_key``, then up to ``k`` more entries that ask the same, and with ``near_keys`` up to ``k`` more that ask
+    what one of them names (:meth:`CacheStore.recall`)."""
     if k <= 0:
         return ()
-    if content_key is None:
-        found = store.recall(tenant, compat_key, embedding, k=k)
-    else:
-        found = store.recall(tenant, compat_key, embedding, k=k, content_key=content_key)
+    extra: dict = {}
+    if content_key is not None:
+        extra["content_key"] = content_key
+    if near_keys:
+        extra["near_keys"] = tuple(near_keys)
+    found = store.recall(tenant, compat_key, embedding, k=k, **extra)
     return tuple(Candidate(meta, float(sim)) for meta, sim in found)
 
 
