@@ -18,6 +18,7 @@ Variants (``--variants``, comma-separated):
   own       ``gate`` with ``own_sample`` 1 (lever 6)
   shipped   the shipped files with ``admitted_only`` off, i.e. ``thresholds-nogate.json`` (before 2026-12-06 04:27 UTC
             this was the shipped file itself, the same rule)
+  sentence  ``default`` with recall by sentence and same content only (an edit's source not also found one edit away)
   default   what a user gets: the shipped (gated) file at its certified resume step (45 of 50), every setting default
             (since 2026-12-06 17:20 UTC the probe is skipped under a content-only file by default; since 21:00 UTC
             recall reads the same-content entries without a sentence embedding and write-behind is on for CUDA)
@@ -62,6 +63,9 @@ VARIANTS = {
     "shipped": ({}, {"admitted_only": False, "thresholds": None}),
     "default": ({}, {"thresholds": None}),
     "sync": ({"write_behind": False}, {"thresholds": None}),
+    # the default with recall by sentence and same content only (before 2026-12-07 21:40 UTC): an edit finds its source
+    # only among the top_k nearest sentences, not also one edit away by content (recall_near off in its process)
+    "sentence": ({}, {"thresholds": None}),
     # the default before risk tiers: the same-content file at step 45 (re-rolls and rewordings; every edit a miss)
     "content45": ({}, {"thresholds": str(HERE.parent / "notebook" / "thresholds-embedded-content45.json")}),
 }
@@ -118,6 +122,10 @@ def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.in
     from carnator.calibrate.run import resample_seed
 
     trace = Trace.load(trace_path)
+    if name == "sentence":
+        from carnator.policies.carnator import CarnatorPolicy
+
+        CarnatorPolicy.recall_near = lambda self: ()  # type: ignore[method-assign]  # this stream's own process
     if name in ("dense", "nirvana"):
         eng, policy = engine(cache, device), name
     elif name == "resample":
