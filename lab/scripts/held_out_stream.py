@@ -187,8 +187,13 @@ def summarize(rows, names, rule):
     def fails(r, by_kind=False):
         return not (own.get(str(r.get("change")), rule) if by_kind else rule).acceptable(r, dense[r["i"]])
 
-    def fails_excess(r):   # fails its kind's rule where another dense sample of the request passes it
-        return fails(r, True) and r["i"] in other and not fails(other[r["i"]], True)
+    def fails_excess(r):   # calibrate's excess label under its kind's rule: fails where another dense sample passes
+        from carnator.calibrate.run import label
+
+        if r["i"] not in other:
+            return False
+        pair = {"i": r["i"], "reuse": r, "dense": dense[r["i"]], "dense_other": other[r["i"]]}
+        return not label(pair, own.get(str(r.get("change")), rule), "excess")
 
     out = {}
     for name in names:
