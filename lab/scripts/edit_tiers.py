@@ -8,14 +8,15 @@ by what the content reader says changed (``change_kind``: colour, object, size, 
 
 ``certify``: one kind's tier at a step already selected (by an earlier run's selection split), certified once on
 every row not used to select it, pooled: a run's certification split (``ROWS:cert``, the split ``certify_tiers``
-made) and whole runs drawn afterwards (``ROWS``). Writes a thresholds.json that ``write`` takes.
+made) and whole runs drawn afterwards (``ROWS``); ``--selection`` names the rows that selected the step (``ROWS`` or
+``ROWS:sel``), counted per step into the tier's meta. Writes a thresholds.json that ``write`` takes.
 
 ``write``: the shipped thresholds file with such a file's certified edit tiers merged in: the same-content tiers
 certified at step 45 (re-roll, rewording: ``meta.resume.at_45`` of the current shipped file) and every edit tier the
 shipped file already certifies are kept; a kind in both takes the new one.
 
     python3 lab/scripts/edit_tiers.py draw --out .cache/dev/edit-pairs.jsonl --per-kind 80
-    python3 lab/scripts/edit_tiers.py certify --kind size --step 5 --rows H200.jsonl.gz:cert --rows NEW.jsonl --out T.json [--risk excess]
+    python3 lab/scripts/edit_tiers.py certify --kind size --step 5 --rows H200.jsonl.gz:cert --rows NEW.jsonl --out T.json [--risk excess] [--selection H200.jsonl.gz]
     python3 lab/scripts/edit_tiers.py write --tiers OUT/thresholds.json --into src/carnator/embedded/thresholds.json
 """
 
@@ -61,9 +62,37 @@ def _rows(spec: str) -> tuple[list[dict], bool]:
         return [json.loads(line) for line in f if line.strip()], part == "cert"
 
 
-def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path, risk: str = "pair") -> dict:
+def selection(kind: str, specs: list[str], rule: dict, risk: str = "pair") -> dict:
+    """What selected ``kind``'s step: per resume step of the rows of ``specs`` (PATH, or PATH:sel for a run's selection
+    split), the reused pairs and the unsafe among them, labelled as ``carnator calibrate --risk RISK`` labels them."""
+    from carnator.calibrate.certify import CalibrationConfig, split_pairs
+    from carnator.calibrate.run import label as label_row
+    from carnator.judges import QualityRule
+
+    cfg, label = CalibrationConfig(), QualityRule.from_dict(rule)
+    out: dict = {"risk": risk, "on": []}
+    for spec in specs:
+        path, _, part = spec.partition(":")
+        if part not in ("", "sel"):
+            raise SystemExit(f"--selection {spec!r}: expected PATH or PATH:sel")
+        rows, _ = _rows(path)
+        mine = [r for r in rows if r.get("change") == kind]
+        ids = sorted({int(r["i"]) for r in mine})
+        keep = {ids[j] for j in split_pairs(len(ids), cfg)[0]} if part == "sel" and len(ids) >= 2 else set(ids)
+        out["on"].append({"rows": Path(spec).name, "pairs": len(keep)})
+        for r in mine:
+            if int(r["i"]) in keep and r["hit"]:
+                at = out.setdefault(str(int(r["resume_step"])), {"reused": 0, "unsafe": 0})
+                at["reused"] += 1
+                at["unsafe"] += int(not label_row(r, label, risk))
+    return out
+
+
+def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path, risk: str = "pair",
+            selected_on: list[str] | None = None) -> dict:
     """``kind``'s tier at ``step`` certified on the pooled certification rows of ``specs`` (see the module's doc),
-    each row labelled as ``carnator calibrate --risk RISK`` labels it."""
+    each row labelled as ``carnator calibrate --risk RISK`` labels it; with ``selected_on``, the rows that selected the
+    step are counted per step into the tier's ``selection`` (:func:`selection`)."""
     from carnator.calibrate.certify import CalibrationConfig, clopper_pearson_upper, split_pairs
     from carnator.calibrate.run import label as label_row
     from carnator.judges import QualityRule
@@ -89,6 +118,8 @@ def certify(kind: str, step: int, specs: list[str], rule: dict, out: Path, risk:
     tier = {"kind": kind, "step": step, "of": of, "scope": next((r["scope"] for r in used if r.get("scope")), "frame"),
             "pairs": sum(s["pairs"] for s in sources), "accepted": len(used), "unsafe": bad, "bound": bound,
             "certified": bool(bound is not None and bound <= cfg.delta), "rule": rule, "risk": risk, "certified_on": sources}
+    if selected_on:
+        tier["selection"] = selection(kind, list(selected_on), rule, risk)
     doc = {"thresholds": {"tiers": {kind: tier}}, "meta": {"tiers": {kind: tier}}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
@@ -137,6 +168,9 @@ def main() -> None:
     c.add_argument("--rule", default='{"deltas": {"fidelity": 0.25, "artifact": 0.1, "size": 0.05}, '
                    '"directions": {"fidelity": 1, "artifact": -1, "size": 1}}', help="the kind's QualityRule as JSON")
     c.add_argument("--risk", choices=["pair", "excess"], default="pair", help="as carnator calibrate --risk")
+    c.add_argument("--selection", action="append", default=[],
+                   help="PATH (every pair) or PATH:sel (its selection split): the rows that selected the step, counted "
+                        "per step into the tier's meta")
     c.add_argument("--out", type=Path, required=True)
     w = sub.add_parser("write")
     w.add_argument("--tiers", type=Path, required=True)
@@ -145,7 +179,7 @@ def main() -> None:
     if a.cmd == "draw":
         print(draw(a.out, a.per_kind, a.seed))
     elif a.cmd == "certify":
-        print(json.dumps(certify(a.kind, a.step, a.rows, json.loads(a.rule), a.out, a.risk), indent=1))
+        print(json.dumps(certify(a.kind, a.step, a.rows, json.loads(a.rule), a.out, a.risk, a.selection), indent=1))
     else:
         print(json.dumps(write(a.tiers, a.into), indent=1))
 

@@ -86,3 +86,25 @@ def test_certify_under_the_excess_risk_counts_only_failures_a_fresh_sample_does_
     excess = et.certify("size", 5, [str(tmp_path / "r.jsonl")], RULE, tmp_path / "e.json", risk="excess")
     assert (pair["unsafe"], pair["risk"]) == (3, "pair") and (excess["unsafe"], excess["risk"]) == (1, "excess")
     assert excess["bound"] == clopper_pearson_upper(1, 10, 0.9)
+
+
+def test_certify_records_what_selected_the_step_per_step_under_its_risk(tmp_path):
+    et = _script()
+    # selection rows: 8 size pairs at steps 5 and 12; pair 1 fails at 5 (its other sample passes), pairs 1-3 at 12
+    # (pair 3's other sample fails too); pair 0 not reused at 12; 4 colour pairs that must not count
+    sel = [_row(i, 5, True, 0.0 if i == 1 else 1.0) for i in range(8)]
+    sel += [_row(i, 12, i != 0, 0.0 if i in (1, 2, 3) else 1.0) for i in range(8)]
+    sel += [_row(100 + i, 5, True, 0.0, kind="colour") for i in range(4)]
+    for r in sel:
+        r["dense_other"] = {**r["dense"], "size": 0.0 if r["i"] == 3 else 1.0}
+    (tmp_path / "sel.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sel))
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps(_row(i, 5, True, 1.0)) + "\n" for i in range(30)))
+    tier = et.certify("size", 5, [str(tmp_path / "new.jsonl")], RULE, tmp_path / "t.json", risk="excess",
+                      selected_on=[str(tmp_path / "sel.jsonl")])
+    assert tier["selection"] == {"risk": "excess", "on": [{"rows": "sel.jsonl", "pairs": 8}],
+                                 "5": {"reused": 8, "unsafe": 1}, "12": {"reused": 7, "unsafe": 2}}
+    assert (tier["accepted"], tier["unsafe"]) == (30, 0)   # the selection rows are not certification rows
+    part = et.selection("size", [f"{tmp_path / 'sel.jsonl'}:sel"], RULE, "pair")
+    chosen = set(split_pairs(8, CalibrationConfig())[0].tolist())
+    assert part["on"] == [{"rows": "sel.jsonl:sel", "pairs": len(chosen)}]
+    assert part["5"] == {"reused": len(chosen), "unsafe": len(chosen & {1})}
