@@ -74,8 +74,9 @@ class LexiconContent:
     def neighbours(self, content: Sequence[str], kinds: Iterable[str]) -> list[list[str]]:
         """The contents one change of ``kinds`` away from ``content`` (the kinds of :func:`change_kind`: "object",
         "colour", "size", "motion", "place"): one object's attribute set to another of the grammar's values, or the
-        place set to another, added or removed. A request's cached source under an edit tier asks one of these, however
-        far its sentence lies from the request's. Sorted contents, ``content`` itself not among them."""
+        place set to another (a place added or removed is not among them: the edits a tier is calibrated on replace
+        one). A request's cached source under an edit tier asks one of these, however far its sentence lies from the
+        request's. Sorted contents, ``content`` itself not among them."""
         fields = {k: f for f, k in _FIELD_KIND.items()}   # "colour" -> "color"
         want = set(kinds)
         base = sorted(content)
@@ -89,10 +90,8 @@ class LexiconContent:
         for i, item in enumerate(base):
             if item.startswith("place:"):
                 if "place" in want:
-                    rest = base[:i] + base[i + 1:]
-                    add(rest)
                     for v in self.values("place"):
-                        add([*rest, f"place:{v}"])
+                        add(base[:i] + [f"place:{v}"] + base[i + 1:])
                 continue
             if not item.startswith("object:"):
                 continue
@@ -105,9 +104,6 @@ class LexiconContent:
                     if v != parts[field]:
                         new = "|".join(f"{f}:{v if f == field else parts[f]}" for f in parts)
                         add(base[:i] + [new] + base[i + 1:])
-        if "place" in want and not any(i.startswith("place:") for i in base) and base:
-            for v in self.values("place"):
-                add([*base, f"place:{v}"])
         return list(out.values())
 
     def _spans(self, words: list[str]):
