@@ -338,7 +338,7 @@ def _resume_steps(text: str) -> list[int]:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate.run import risk_problem, run_calibration
+    from .calibrate.run import is_tiered, risk_problem, run_calibration
     from .calibrate.certify import CalibrationConfig
 
     if args.pairs < 4:
@@ -351,7 +351,7 @@ def cmd_calibrate(args) -> int:
         raise CarnatorError("give the requests to calibrate on: --prompts FILE (a prompt log, paired as recall pairs them) "
                             "or --pairs-file FILE (or --select-only to reuse the pairs already in --out)")
     # checked before any worker starts (run_calibration checks the same)
-    tiered = len(args.resume_step or ()) > 1 or bool(args.tier_quality) or args.tier_scope != "auto"
+    tiered = is_tiered(args.resume_step or (), dict.fromkeys(args.tier_quality or ()), args.tier_scope)
     problem = risk_problem(args.risk, tiered=tiered, generate=not args.select_only, noise_floor=args.noise_floor)
     if problem:
         raise CarnatorError(problem)

@@ -41,7 +41,7 @@ from .plan import Decision, DecisionInputs
 from .policies import ModelInfo, Policy, get_policy_class, policy_names
 from .request import CACHE_MODES, Params, Request, Result, Stats, to_uint8
 from .stages.store import first_line
-from .stages import RequestState, decide, exact_hit, plan, probe, read_signature, recall, recall_content, store
+from .stages import RequestState, decide, exact_hit, near_keys, plan, probe, read_signature, recall, recall_content, store
 
 log = logging.getLogger("carnator")
 
@@ -434,9 +434,7 @@ class Carnator:
                 found = recall_content(self.store, req.tenant, rs.compat_key, by_content, pol.recall_k())
             else:
                 rs.embedding = self.embed(req.prompt)
-                kinds, neighbours = pol.recall_near(), getattr(self.content, "neighbours", None)
-                near = [] if not kinds or neighbours is None or by_content is None else \
-                    [k for k in (content_key(c) for c in neighbours(content, kinds)) if k is not None]
+                near = near_keys(self.content, content, pol.recall_near()) if by_content is not None else []
                 found = recall(self.store, req.tenant, rs.compat_key, rs.embedding, pol.recall_k(), content_key=by_content,
                                near_keys=near)
             inputs = dataclasses.replace(inputs, candidates=found)

@@ -45,6 +45,12 @@ def resample_seed(seed: int) -> int:
     return (seed + NOISE_SEED_OFFSET + 2**63) % 2**64 - 2**63
 
 
+def is_tiered(resume_steps: Sequence[int], tier_rules: Mapping[str, Any] | None, tier_scope: str) -> bool:
+    """Whether a calibration run certifies risk tiers: several resume steps, or a kind's own rule or a tier scope asked
+    for (one step then certifies one tier per kind)."""
+    return len({int(r) for r in resume_steps}) > 1 or bool(tier_rules) or tier_scope != "auto"
+
+
 def risk_problem(risk: str, *, tiered: bool, generate: bool, noise_floor: bool) -> str | None:
     """Why ``risk`` cannot label this calibration run (None: it can)."""
     if risk not in RISKS:
@@ -193,8 +199,7 @@ def run_calibration(engine, out_dir: Path, pairs: Sequence[Pair] | None, *, judg
     if resume_step is None or isinstance(resume_step, int):
         resume_step = [int(resume_step or base.resume_step or DEFAULT_RESUME_STEP)]
     at_steps = sorted({int(r) for r in resume_step})
-    # Tiers: several steps, or a kind's own rule or a tier scope asked for (one step then certifies one tier per kind)
-    tiered = len(at_steps) > 1 or bool(tier_rules) or tier_scope != "auto"
+    tiered = is_tiered(at_steps, tier_rules, tier_scope)
     problem = risk_problem(risk, tiered=tiered, generate=generate, noise_floor=noise_floor)
     if problem:
         raise CarnatorError(problem)

@@ -12,9 +12,9 @@ from .decide import decide
 from .exact import exact_hit
 from .plan import bind, load_source, plan
 from .probe import Evidence, probe, read_signature
-from .recall import recall, recall_content
+from .recall import near_keys, recall, recall_content
 from .state import RequestState
 from .store import admit, store
 
-__all__ = ["Evidence", "RequestState", "admit", "bind", "decide", "exact_hit", "load_source", "plan", "probe",
-           "read_signature", "recall", "recall_content", "store"]
+__all__ = ["Evidence", "RequestState", "admit", "bind", "decide", "exact_hit", "load_source", "near_keys", "plan",
+           "probe", "read_signature", "recall", "recall_content", "store"]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..cache.keys import content_key
 from ..cache.protocol import CacheStore
 from ..plan import Candidate
 
@@ -33,3 +34,12 @@ def recall_content(store: CacheStore, tenant: str, compat_key: str, content_key:
     if k <= 0:
         return ()
     return tuple(Candidate(meta, None) for meta in store.same_content(tenant, compat_key, content_key, k=k))
+
+
+def near_keys(reader: object, content: Sequence[str], kinds: Sequence[str]) -> list[str]:
+    """The content keys one change of ``kinds`` away from ``content``, as the model's content ``reader`` names them
+    (``neighbours``; none for a reader without a grammar, or no kinds)."""
+    neighbours = getattr(reader, "neighbours", None)
+    if not kinds or neighbours is None:
+        return []
+    return [k for k in (content_key(c) for c in neighbours(content, kinds)) if k is not None]
