@@ -221,7 +221,11 @@ def test_a_tier_disabled_by_the_live_audit_reaches_every_replica(server, http):
     t = tier("colour")
     assert t is not None and t["disabled"], (t, server.output[-3000:])
     assert (t["n"], t["unsafe"], t["tier"], t["disabled_after"]) == (1, 1, "45/50", 1)
-    assert "live audit: the colour tier (step 45) is disabled" in server.output
+    # the page reads the verdicts from the job store; the policy is disabled (and says so) just after: wait for it
+    line = "live audit: the colour tier (step 45) is disabled"
+    while line not in server.output and time.monotonic() < deadline + 30:
+        time.sleep(0.1)
+    assert line in server.output, server.output[-3000:]
     with SharedStore(server.store_url, blobs=server.blobs) as store:   # the unsafe hit's entry is gone
         assert hit["stats"]["entry_id"] not in {e.id for e in store.entries()}
     with Client(server.url) as c:
