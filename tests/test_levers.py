@@ -31,6 +31,7 @@ SRC = "a small red ball moving left on grass"
     ("a big red ball moving left on grass", "size", 2),
     ("a small red box moving left on grass", "object", 2),
     ("a small red ball moving left in the snow", "place", 2),
+    ("a small red ball moving left", "place-removed", 1),
     ("a small red ball moving left and a big blue box rising on grass", "count", 1),
 ])
 def test_content_reads_what_a_caption_asks(other, kind, distance):

@@ -13,7 +13,8 @@
 #        weights): carnator-lab bench-scale with frame-tier hits from steps 45, 12 and 5 beside dense, the region hit and NIRVANA
 set -u
 out=$1; mode=$2; budget=${3:-480}
-rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk
+# KEEP_DPK=1: diffusers already unpacked under /tmp/dpk (two runs side by side: the second must not unpack it again)
+[ "${KEEP_DPK:-0}" = 1 ] || { rm -rf /tmp/dpk && python3 -m zipfile -e .cache/dev/diffusers.zip /tmp/dpk; }
 export PYTHONPATH=$PWD/src:$PWD/lab/src:/tmp/dpk:$PWD/.cache/dev/py:$PWD/.cache/dev/db.zip HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc
 t0=$(date +%s)

@@ -190,9 +190,10 @@ _FIELD_KIND = {"object": "object", "size": "size", "color": "colour", "motion": 
 
 def change_kind(query_text: str, source_text: str, query: Sequence[str] | None, source: Sequence[str] | None) -> str:
     """The kind of change from a cached request to a new one: "re-roll" (the same prompt), "rewording" (the same
-    content in other words), "object" / "colour" / "size" / "motion" (one object's attribute), "place", "count" (another
-    number of objects), "several" (more than one of these), or "unknown" (a content not recorded). Used to certify and
-    report per kind (:func:`carnator.calibrate.certify.stratified_certification`)."""
+    content in other words), "object" / "colour" / "size" / "motion" (one object's attribute), "place" (the place
+    replaced by another), "place-added" / "place-removed", "count" (another number of objects), "several" (more than
+    one of these), or "unknown" (a content not recorded). Used to certify and report per kind
+    (:func:`carnator.calibrate.certify.stratified_certification`)."""
     if " ".join(query_text.lower().split()) == " ".join(source_text.lower().split()):
         return "re-roll"
     if query is None or source is None:
@@ -206,9 +207,10 @@ def change_kind(query_text: str, source_text: str, query: Sequence[str] | None, 
     if objs_q != objs_s:
         return "count"
     kinds = set()
-    places = [i for i in only_q + only_s if i.startswith("place:")]
-    if places:
-        kinds.add("place")
+    place_q = any(i.startswith("place:") for i in only_q)
+    place_s = any(i.startswith("place:") for i in only_s)
+    if place_q or place_s:   # a place replaced by another is not a place added to (or taken from) a scene
+        kinds.add("place" if place_q and place_s else "place-added" if place_q else "place-removed")
     oq = [_fields(i) for i in only_q if not i.startswith("place:")]
     os_ = [_fields(i) for i in only_s if not i.startswith("place:")]
     if len(oq) == 1 and len(os_) == 1 and oq[0].keys() == os_[0].keys():
