@@ -273,6 +273,19 @@ def test_an_object_edit_is_reused_by_the_shipped_object_tier_and_shows_the_asked
     assert _corner_fill(box.frames, "red") > 0.5   # a box, not the cached ball
 
 
+def test_the_shipped_place_tier_reuses_a_place_replaced_and_misses_a_place_added_or_taken_away(tmp_path):
+    # the place tier is certified on pairs that replace one place by another: a scene gaining or losing its place is
+    # another kind of change, with no tier
+    eng = Carnator.from_pretrained("embedded", cache_dir=tmp_path / "c", device="cpu", embedder=hashed_embedder(64))
+    assert eng.policy("carnator").tiers["place"].step == 20 and "place-added" not in eng.policy("carnator").tiers
+    a = eng.generate("a big red ball on grass", seed=1, num_inference_steps=N)
+    snow = eng.generate("a big red ball in the snow", seed=2, num_inference_steps=N, store=False)
+    assert snow.stats.hit and snow.stats.source_id == a.stats.entry_id and snow.stats.resume_step == 8
+    assert snow.stats.reason.startswith(f"place of {a.stats.entry_id[:8]} (place grass -> snow)")
+    gone = eng.generate("a big red ball", seed=3, num_inference_steps=N, store=False)   # "place-removed": no tier
+    assert not gone.stats.hit and gone.stats.reason == "no cached request passes the noun filter"
+
+
 def test_an_edit_finds_the_request_it_edits_by_content_among_nearer_sentences(tmp_path):
     # top_k 1: the sentence search returns only the nearest cached request, another scene's (its box moves left: a
     # motion change, no tier); the object edit's own source, one object change away, is found by content all the same
