@@ -13,7 +13,8 @@ made) and whole runs drawn afterwards (``ROWS``); ``--selection`` names the rows
 
 ``write``: the shipped thresholds file with such a file's certified edit tiers merged in: the same-content tiers
 certified at step 45 (re-roll, rewording: ``meta.resume.at_45`` of the current shipped file) and every edit tier the
-shipped file already certifies are kept; a kind in both takes the new one.
+shipped file already certifies are kept; a kind in both takes the new one, and a kind the new file fails to certify
+is withdrawn (its failed certificate kept in the meta).
 
     python3 lab/scripts/edit_tiers.py draw --out .cache/dev/edit-pairs.jsonl --per-kind 80
     python3 lab/scripts/edit_tiers.py certify --kind size --step 5 --rows H200.jsonl.gz:cert --rows NEW.jsonl --out T.json [--risk excess] [--selection H200.jsonl.gz]
@@ -144,9 +145,13 @@ def write(tiers_file: Path, into: Path) -> dict:
         if kind not in tiers and t.get("certified"):
             tiers[kind] = t
     for kind, t in new["thresholds"].get("tiers", {}).items():
-        if kind not in ("re-roll", "rewording") and t.get("certified"):
+        if kind in ("re-roll", "rewording"):
+            continue
+        meta[kind] = new["meta"]["tiers"][kind]   # the newest certificate of a kind is the one that counts
+        if t.get("certified"):
             tiers[kind] = Tier.from_dict(t).to_dict()
-            meta[kind] = new["meta"]["tiers"][kind]
+        else:   # more rows failed to certify it: no longer shipped
+            tiers.pop(kind, None)
     doc["thresholds"]["tiers"] = tiers
     doc["meta"]["tiers"] = meta
     doc["meta"]["tiers_certified_by"] = "lab/scripts/edit_tiers.py (calibrate --resume-step over edit pairs; certify; write)"
