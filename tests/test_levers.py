@@ -29,7 +29,7 @@ SRC = "a small red ball moving left on grass"
     ("a small red ball moving right on grass", "motion", 2),
     ("a small blue ball moving left on grass", "colour", 2),
     ("a big red ball moving left on grass", "size", 2),
-    ("a small red box moving left on grass", "object", 2),
+    ("a small red box moving left on grass", "small-object", 2),   # a small object's substitution: its own kind
     ("a small red ball moving left in the snow", "place", 2),
     ("a small red ball moving left", "place-removed", 1),
     ("a small red ball moving left and a big blue box rising on grass", "count", 1),
@@ -37,6 +37,16 @@ SRC = "a small red ball moving left on grass"
 def test_content_reads_what_a_caption_asks(other, kind, distance):
     assert content_distance(READ(other), READ(SRC)) == distance
     assert change_kind(other, SRC, READ(other), READ(SRC)) == kind
+
+
+def test_an_object_substitution_is_an_object_change_for_a_big_object_and_a_small_object_change_for_a_small_one():
+    big, small = "a big red ball on grass and a tiny blue star", "a big red box on grass and a tiny blue star"
+    assert change_kind(small, big, READ(small), READ(big)) == "object"   # the big ball became a box
+    tiny = "a big red ball on grass and a tiny blue ring"
+    assert change_kind(tiny, big, READ(tiny), READ(big)) == "small-object"   # the tiny star became a ring
+    near = READ.neighbours(READ(big), ["object"])
+    assert near and {change_kind("q", "s", n, READ(big)) for n in near} == {"object"}
+    assert {change_kind("q", "s", n, READ(big)) for n in READ.neighbours(READ(big), ["small-object"])} == {"small-object"}
 
 
 def test_content_change_names_the_attribute_and_unknown_content_is_infinitely_far():

@@ -37,7 +37,8 @@ SHIPPED = ROOT / "src/carnator/embedded/thresholds-nogate.json"
 LEXICON = ROOT / "src/carnator/embedded/lexicon.json"
 CATEGORY = {"reroll": "re-roll", "reword": "rewording", "noun": "object", "color": "colour", "size": "size",
             "context": "place", "motion": "motion", "unrelated": "unrelated", "count": "count"}
-ORDER = ["re-roll", "rewording", "object", "colour", "size", "place", "motion", "count", "several"]
+ORDER = ["re-roll", "rewording", "object", "small-object", "colour", "size", "place", "place-added", "place-removed", "motion",
+         "count", "several"]
 GATE = {"fidelity": 0.75, "artifact": 0.1}
 
 

@@ -60,7 +60,7 @@ case $mode in
     # asks (TIER_RULES), each row labelled as `calibrate --risk RISK` labels it; the tiers it certifies in OUT/NAME/thresholds.json.
     # Two runs side by side: NAME=a ... & NAME=b ... & wait (each its own /tmp/NAME)
     nm=${NAME:-edits}; pf=${PAIRS_FILE:-.cache/dev/edit-pairs.jsonl}; n=${PAIRS:-$(wc -l < $pf)}
-    tq="--tier-quality colour:color=0.05 --tier-quality object:shape=0.05 --tier-quality size:size=0.05 --tier-quality motion:motion=0.05 --tier-quality place:background=0.05"
+    tq="--tier-quality colour:color=0.05 --tier-quality object:shape=0.05 --tier-quality small-object:shape=0.05 --tier-quality size:size=0.05 --tier-quality motion:motion=0.05 --tier-quality place:background=0.05"
     tq=${TIER_RULES:-$tq}
     # RESUME=DIR: the rows (pairs.jsonl, pairs.meta.json) of an earlier call of the same run, continued here
     [ -n "${RESUME:-}" ] && mkdir -p /tmp/$nm && cp "$RESUME"/pairs.jsonl "$RESUME"/pairs.meta.json /tmp/$nm/

@@ -2,7 +2,7 @@
 
 ``draw``: single-change edit pairs from the *train* split of the shapes world (the held-out stream is never used for
 calibration): each edit request of ``world_trace(W, S, seed, split="train")`` with the warm request it edits, labelled
-by what the content reader says changed (``change_kind``: colour, object, size, place, motion), at most
+by what the content reader says changed (``change_kind``: colour, object, small-object, size, place, motion), at most
 ``--per-kind`` of each, the kinds interleaved (a run cut short still has every kind). Writes a pairs file for
 ``carnator calibrate --pairs-file F --resume-step 5,10,20,30``.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LEXICON = ROOT / "src/carnator/embedded/lexicon.json"
-EDIT_KINDS = ("colour", "object", "size", "place", "motion")
+EDIT_KINDS = ("colour", "object", "small-object", "size", "place", "motion")
 
 
 def draw(out: Path, per_kind: int, seed: int = 1, warm: int = 1000) -> dict[str, int]:

@@ -170,7 +170,8 @@ def stream(name, trace_path, cache, device, tau_path, out_path, deadline=math.in
 
 #: the attribute each edit kind asks for: its own rule is the stream's rule with that score within 0.05 (as the edit
 #: tiers are calibrated: ``--tier-quality colour:color=0.05`` ...)
-KIND_SCORE = {"colour": "color", "object": "shape", "size": "size", "motion": "motion", "place": "background"}
+KIND_SCORE = {"colour": "color", "object": "shape", "small-object": "shape", "size": "size", "motion": "motion",
+              "place": "background"}
 
 
 def kind_rules(rule) -> dict:

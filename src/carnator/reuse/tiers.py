@@ -1,7 +1,7 @@
 """Risk tiers: one certified way to reuse per kind of change.
 
 What changed between a request and a cached one (:func:`carnator.signature.content.change_kind`: re-roll, rewording,
-colour, object, size, place, place-added, place-removed, motion, count, several) decides how much of the cached trajectory a reuse may keep. A
+colour, object, small-object, size, place, place-added, place-removed, motion, count, several) decides how much of the cached trajectory a reuse may keep. A
 re-roll keeps all but the last steps; a colour edit must recompute the object's region from an early step, since the
 first steps settle its colour. Each kind gets its own :class:`Tier` (resume step, scope) and its own certificate:
 the Clopper-Pearson bound of the unsafe share among that kind's calibration reuses at that step. A kind without a
@@ -23,8 +23,8 @@ __all__ = ["KINDS", "SAME_CONTENT_KINDS", "Tier"]
 #: kinds of change whose two prompts ask the same: a hit recomputes the whole frame and reads no probe
 SAME_CONTENT_KINDS = frozenset({"re-roll", "rewording"})
 #: every kind :func:`~carnator.signature.content.change_kind` names that a tier may reuse
-KINDS = ("re-roll", "rewording", "colour", "object", "size", "place", "place-added", "place-removed", "motion", "count",
-         "several")
+KINDS = ("re-roll", "rewording", "colour", "object", "small-object", "size", "place", "place-added", "place-removed",
+         "motion", "count", "several")
 
 
 @dataclass(frozen=True)

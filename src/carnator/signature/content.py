@@ -73,7 +73,7 @@ class LexiconContent:
 
     def neighbours(self, content: Sequence[str], kinds: Iterable[str]) -> list[list[str]]:
         """The contents one change of ``kinds`` away from ``content`` (the kinds of :func:`change_kind`: "object",
-        "colour", "size", "motion", "place"): one object's attribute set to another of the grammar's values, or the
+        "small-object", "colour", "size", "motion", "place"): one object's attribute set to another of the grammar's values, or the
         place set to another (a place added or removed is not among them: the edits a tier is calibrated on replace
         one). A request's cached source under an edit tier asks one of these, however far its sentence lies from the
         request's. Sorted contents, ``content`` itself not among them."""
@@ -97,9 +97,11 @@ class LexiconContent:
                 continue
             parts = _fields(item)
             for kind in sorted(want - {"place"}):
-                field = fields.get(kind)
+                field = "object" if kind == "small-object" else fields.get(kind)
                 if field not in parts or field == "word":
                     continue
+                if field == "object" and (parts.get("size") == "small") != (kind == "small-object"):
+                    continue   # as change_kind names it: a small object's substitution is a "small-object" change
                 for v in self.values(field):
                     if v != parts[field]:
                         new = "|".join(f"{f}:{v if f == field else parts[f]}" for f in parts)
@@ -190,9 +192,9 @@ _FIELD_KIND = {"object": "object", "size": "size", "color": "colour", "motion": 
 
 def change_kind(query_text: str, source_text: str, query: Sequence[str] | None, source: Sequence[str] | None) -> str:
     """The kind of change from a cached request to a new one: "re-roll" (the same prompt), "rewording" (the same
-    content in other words), "object" / "colour" / "size" / "motion" (one object's attribute), "place" (the place
-    replaced by another), "place-added" / "place-removed", "count" (another number of objects), "several" (more than
-    one of these), or "unknown" (a content not recorded). Used to certify and report per kind
+    content in other words), "object" / "colour" / "size" / "motion" (one object's attribute; "small-object" for the
+    object of a small one), "place" (the place replaced by another), "place-added" / "place-removed", "count" (another
+    number of objects), "several" (more than one of these), or "unknown" (a content not recorded). Used to certify and report per kind
     (:func:`carnator.calibrate.certify.stratified_certification`)."""
     if " ".join(query_text.lower().split()) == " ".join(source_text.lower().split()):
         return "re-roll"
@@ -217,4 +219,6 @@ def change_kind(query_text: str, source_text: str, query: Sequence[str] | None, 
         kinds |= {_FIELD_KIND.get(k, k) for k in oq[0] if oq[0][k] != os_[0][k]}
     elif oq or os_:
         kinds.add("several")
+    if kinds == {"object"} and oq[0].get("size") == "small":
+        return "small-object"   # a small object's shape is settled in fewer steps than a big one's: its own tier
     return kinds.pop() if len(kinds) == 1 else "several"
