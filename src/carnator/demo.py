@@ -23,8 +23,8 @@ import numpy as np
 #: seed), rewordings (a framing prefix, style and quality words, synonyms), then one change at a time (motion, object,
 #: colour, size, place), an exact repeat, an unrelated prompt and its rewording. With the shipped file (and the embedded
 #: model's admission gate, its shapes judge) each kind of change with a certified tier reuses (re-rolls, rewordings, and
-#: the object and place edits from their own earlier steps); the others are generated anew (docs/BENCHMARKS.md); each
-#: line says why.
+#: the place edit from its own earlier step); the others, the small ball's object among them (a small object's
+#: replacement has no certified tier), are generated anew (docs/BENCHMARKS.md); each line says why.
 STREAM: list[tuple[str, int]] = [
     ("a small red ball moving left on grass", 1),
     ("a small red ball moving left on grass", 5),
