@@ -1,11 +1,11 @@
 """Risk tiers: one certified way to reuse per kind of change.
 
 What changed between a request and a cached one (:func:`carnator.signature.content.change_kind`: re-roll, rewording,
-colour, object, small-object, size, place, place-added, place-removed, motion, count, several) decides how much of the cached trajectory a reuse may keep. A
-re-roll keeps all but the last steps; a colour edit must recompute the object's region from an early step, since the
-first steps settle its colour. Each kind gets its own :class:`Tier` (resume step, scope) and its own certificate:
-the Clopper-Pearson bound of the unsafe share among that kind's calibration reuses at that step. A kind without a
-certified tier is a miss.
+colour, object, small-object, size, place, place-added, place-removed, motion, count, several) decides how much of the
+cached trajectory a reuse may keep. A re-roll keeps all but the last steps; a colour edit must recompute the object's
+region from an early step, since the first steps settle its colour. Each kind gets its own :class:`Tier` (resume
+step, scope) and its own certificate: the Clopper-Pearson bound of the unsafe share among that kind's calibration
+reuses at that step. A kind without a certified tier is a miss.
 
 :func:`carnator.calibrate.certify.certify_tiers` selects each kind's step on one split of its pairs (the latest step, so the fewest recomputed
 steps, whose unsafe share there could still certify at the other split's size) and certifies it on the other, once.

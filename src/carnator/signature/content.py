@@ -73,10 +73,10 @@ class LexiconContent:
 
     def neighbours(self, content: Sequence[str], kinds: Iterable[str]) -> list[list[str]]:
         """The contents one change of ``kinds`` away from ``content`` (the kinds of :func:`change_kind`: "object",
-        "small-object", "colour", "size", "motion", "place"): one object's attribute set to another of the grammar's values, or the
-        place set to another (a place added or removed is not among them: the edits a tier is calibrated on replace
-        one). A request's cached source under an edit tier asks one of these, however far its sentence lies from the
-        request's. Sorted contents, ``content`` itself not among them."""
+        "small-object", "colour", "size", "motion", "place"): one object's attribute set to another of the grammar's
+        values, or the place set to another (a place added or removed is not among them: the edits a tier is
+        calibrated on replace one). A request's cached source under an edit tier asks one of these, however far its
+        sentence lies from the request's. Sorted contents, ``content`` itself not among them."""
         fields = {k: f for f, k in _FIELD_KIND.items()}   # "colour" -> "color"
         want = set(kinds)
         base = sorted(content)
@@ -194,8 +194,8 @@ def change_kind(query_text: str, source_text: str, query: Sequence[str] | None, 
     """The kind of change from a cached request to a new one: "re-roll" (the same prompt), "rewording" (the same
     content in other words), "object" / "colour" / "size" / "motion" (one object's attribute; "small-object" for the
     object of a small one), "place" (the place replaced by another), "place-added" / "place-removed", "count" (another
-    number of objects), "several" (more than one of these), or "unknown" (a content not recorded). Used to certify and report per kind
-    (:func:`carnator.calibrate.certify.stratified_certification`)."""
+    number of objects), "several" (more than one of these), or "unknown" (a content not recorded). Used to certify
+    and report per kind (:func:`carnator.calibrate.certify.stratified_certification`)."""
     if " ".join(query_text.lower().split()) == " ".join(source_text.lower().split()):
         return "re-roll"
     if query is None or source is None:
