@@ -100,8 +100,8 @@ class LexiconContent:
                 field = "object" if kind == "small-object" else fields.get(kind)
                 if field not in parts or field == "word":
                     continue
-                if field == "object" and (parts.get("size") == "small") != (kind == "small-object"):
-                    continue   # as change_kind names it: a small object's substitution is a "small-object" change
+                if field == "object" and _object_kind(parts) != kind:
+                    continue   # a big object's replacement is not a small object's, nor the other way round
                 for v in self.values(field):
                     if v != parts[field]:
                         new = "|".join(f"{f}:{v if f == field else parts[f]}" for f in parts)
@@ -190,6 +190,12 @@ def content_change(query: Sequence[str] | None, source: Sequence[str] | None) ->
 _FIELD_KIND = {"object": "object", "size": "size", "color": "colour", "motion": "motion", "word": "word"}
 
 
+def _object_kind(fields: dict) -> str:
+    """The kind of an object's replacement: "small-object" for a small object (its shape is settled in fewer steps
+    than a big one's, so it has its own tier), "object" otherwise."""
+    return "small-object" if fields.get("size") == "small" else "object"
+
+
 def change_kind(query_text: str, source_text: str, query: Sequence[str] | None, source: Sequence[str] | None) -> str:
     """The kind of change from a cached request to a new one: "re-roll" (the same prompt), "rewording" (the same
     content in other words), "object" / "colour" / "size" / "motion" (one object's attribute; "small-object" for the
@@ -219,6 +225,6 @@ def change_kind(query_text: str, source_text: str, query: Sequence[str] | None, 
         kinds |= {_FIELD_KIND.get(k, k) for k in oq[0] if oq[0][k] != os_[0][k]}
     elif oq or os_:
         kinds.add("several")
-    if kinds == {"object"} and oq[0].get("size") == "small":
-        return "small-object"   # a small object's shape is settled in fewer steps than a big one's: its own tier
+    if kinds == {"object"}:
+        return _object_kind(oq[0])
     return kinds.pop() if len(kinds) == 1 else "several"
